@@ -1,0 +1,19 @@
+"""megatron_fsdp_v2: fully sharded data parallelism (ZeRO-1/2/3) for Megatron-Core and plain PyTorch.
+
+Public names only; the Megatron adapter lives in ``megatron_fsdp_v2.megatron`` and is imported on
+demand, so the core runs with torch alone.
+"""
+
+from .fully_shard import FullyShardedModule, fully_shard
+from .mixed_precision import MixedPrecisionPolicy
+from .strategy import STRATEGIES, STRATEGY_NAMES, ShardingStrategy, get_strategy
+
+__all__ = [
+    "FullyShardedModule",
+    "MixedPrecisionPolicy",
+    "STRATEGIES",
+    "STRATEGY_NAMES",
+    "ShardingStrategy",
+    "fully_shard",
+    "get_strategy",
+]

@@ -1,0 +1,68 @@
+"""The three collectives the engine issues, and their counting.
+
+Every collective goes through here so ``comm_stats()`` is exact: bytes are counted as the full
+buffer a collective covers (the gathered output of an all-gather, the input of a reduce-scatter,
+the tensor of an all-reduce), which is what the ZeRO papers call "Psi" per collective.
+
+Which strategy calls which collective is decided by ``strategy.py`` and ``param_group.py``,
+never here (LESSONS.md: keep "who may do X" out of the collective functions).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
+
+
+@dataclass
+class CommStats:
+    """Number of calls and bytes per collective since the last ``reset()``."""
+
+    counts: dict = field(default_factory=lambda: {name: 0 for name in COLLECTIVES})
+    nbytes: dict = field(default_factory=lambda: {name: 0 for name in COLLECTIVES})
+
+    def record(self, name: str, tensor: torch.Tensor) -> None:
+        self.counts[name] += 1
+        self.nbytes[name] += tensor.numel() * tensor.element_size()
+
+    def reset(self) -> None:
+        for name in COLLECTIVES:
+            self.counts[name] = 0
+            self.nbytes[name] = 0
+
+    def as_dict(self) -> dict:
+        """``{collective: {"count": n, "bytes": b}}`` plus ``"total_bytes"``."""
+        out = {name: {"count": self.counts[name], "bytes": self.nbytes[name]} for name in COLLECTIVES}
+        out["total_bytes"] = sum(self.nbytes.values())
+        return out
+
+
+class Communicator:
+    """Collectives over one data-parallel process group, counted into one ``CommStats``."""
+
+    def __init__(self, process_group: Optional[dist.ProcessGroup]) -> None:
+        self.group = process_group
+        self.size = dist.get_world_size(process_group)
+        self.rank = dist.get_rank(process_group)
+        self.stats = CommStats()
+
+    def all_gather(self, output: torch.Tensor, shard: torch.Tensor, async_op: bool = False):
+        """Gather equal shards from every rank into ``output`` (rank order)."""
+        self.stats.record("all_gather", output)
+        return dist.all_gather_into_tensor(output, shard, group=self.group, async_op=async_op)
+
+    def reduce_scatter(self, shard_out: torch.Tensor, full: torch.Tensor, async_op: bool = False):
+        """Sum ``full`` over ranks and leave this rank's equal slice of the sum in ``shard_out``."""
+        self.stats.record("reduce_scatter", full)
+        return dist.reduce_scatter_tensor(shard_out, full, op=dist.ReduceOp.SUM, group=self.group,
+                                          async_op=async_op)
+
+    def all_reduce(self, tensor: torch.Tensor, async_op: bool = False):
+        """Sum ``tensor`` over ranks in place."""
+        self.stats.record("all_reduce", tensor)
+        return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)

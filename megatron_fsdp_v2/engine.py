@@ -1,0 +1,272 @@
+"""The schedule: which group unshards, reshards and reduces when, driven by module and autograd hooks.
+
+[Note: the life of one training step]
+  root pre-forward   weights refreshed from updated main weights if the optimizer stepped
+                     (ZeRO-1/2: one async all-gather per group, waited per unit at its forward;
+                     DDP with mixed precision: a local cast); ZeRO-3: root unit all-gathered.
+  unit pre-forward   ZeRO-3: all-gather this unit (prefetched when possible), prefetch the next.
+  unit post-forward  ZeRO-3: reshard; hook the outputs so the unit's backward unshards it again.
+  unit pre-backward  ZeRO-3: all-gather this unit, prefetch the one before it in forward order.
+  param grad ready   add it to the group's full-size grad buffer (temporary for ZeRO-2/3); when
+                     the whole group is ready and this micro-batch reduces, reduce it (async).
+  end of backward    reduce groups whose unused parameters never got a gradient, wait for every
+                     reduce, point the optimizer-facing ``.grad`` at the reduced shard, reshard.
+
+[Note: bounds on temporary buffers]
+  Before a new temporary full-size grad buffer is allocated, and before a reduce is issued, the
+  engine waits for the reduce in flight. So at most one full-size grad buffer is accumulating and
+  at most one is being reduced (ZeRO-2: <= 2 units of full grads; ZeRO-3 backward: this unit's
+  weights, the prefetched unit's weights and one grad buffer).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Optional
+
+import torch
+import torch.nn as nn
+from torch.autograd import Variable
+from torch.utils._pytree import tree_leaves
+
+from .param_group import ParamGroup
+from .strategy import ShardingStrategy
+
+
+class TrainingState(enum.Enum):
+    IDLE = "idle"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
+class Unit:
+    """The groups of one unit module, acted on together."""
+
+    def __init__(self, index: int, module: nn.Module, fqn: str, groups: list[ParamGroup]) -> None:
+        self.index = index
+        self.module = module
+        self.fqn = fqn
+        self.groups = groups
+
+    @property
+    def is_root(self) -> bool:
+        return self.fqn == ""
+
+    def unshard(self, async_op: bool = True) -> None:
+        for group in self.groups:
+            group.unshard(async_op)
+
+    def wait_unshard(self) -> None:
+        for group in self.groups:
+            group.wait_unshard()
+
+    def reshard(self) -> None:
+        for group in self.groups:
+            group.reshard()
+
+    def trainable_groups_reduced(self) -> bool:
+        trainable = [g for g in self.groups if g.requires_grad]
+        return bool(trainable) and not any(g.has_unreduced_grads for g in trainable)
+
+
+class Engine:
+    """Holds the units and runs the schedule above through hooks."""
+
+    def __init__(self, root: nn.Module, units: list[Unit], strategy: ShardingStrategy, allocator, comm) -> None:
+        self.root = root
+        self.units = units
+        self.strategy = strategy
+        self.allocator = allocator
+        self.comm = comm
+        self.groups = [g for u in units for g in u.groups]
+        self.state = TrainingState.IDLE
+        self.sync_grads = True
+        self._forward_order: list[Unit] = []
+        self._order_recorded = False
+        self._final_callback_queued = False
+        self._grads_exposed = False
+        self._reducing_this_backward = False
+        self._synced_main_version = {id(g): g.main_version() for g in self.groups}
+        self._param_sync_pending = False
+        self._handles: list = []
+        self._register_hooks()
+
+    # ------------------------------------------------------------------ hooks
+    def _register_hooks(self) -> None:
+        self._handles.append(self.root.register_forward_pre_hook(self._root_pre_forward, prepend=True))
+        self._handles.append(self.root.register_forward_hook(self._root_post_forward))
+        for unit in self.units:
+            if not unit.is_root:
+                self._handles.append(unit.module.register_forward_pre_hook(
+                    lambda m, a, unit=unit: self._unit_pre_forward(unit)))
+                self._handles.append(unit.module.register_forward_hook(
+                    lambda m, a, out, unit=unit: self._unit_post_forward(unit, out)))
+            for group in unit.groups:
+                if not group.requires_grad:
+                    continue
+                for index, param in enumerate(group.params):
+                    self._handles.append(param.register_post_accumulate_grad_hook(
+                        lambda p, group=group, index=index, unit=unit: self._on_grad(unit, group, index, p)))
+
+    def hook_count(self) -> int:
+        return len(self._handles)
+
+    def _root_pre_forward(self, module, args) -> None:
+        self.state = TrainingState.FORWARD
+        self.start_param_sync()
+        root = self.units[0]
+        self._record_order(root)
+        if self.strategy.weights_sharded:
+            root.unshard(async_op=False)
+        root.wait_unshard()
+
+    def _root_post_forward(self, module, args, output):
+        if self._forward_order:
+            self._order_recorded = True
+        if self.strategy.weights_sharded:
+            self._register_pre_backward(self.units[0], output)
+        else:
+            self._register_pre_backward(None, output)
+        for unit in self.units:       # a unit the forward skipped must not keep a refresh pending
+            unit.wait_unshard()
+        self.state = TrainingState.IDLE
+        return output
+
+    def _record_order(self, unit: Unit) -> None:
+        if not self._order_recorded and unit not in self._forward_order:
+            self._forward_order.append(unit)
+
+    def _neighbour(self, unit: Unit, step: int) -> Optional[Unit]:
+        order = self._forward_order
+        if not self._order_recorded or unit not in order:
+            return None
+        position = order.index(unit) + step
+        return order[position] if 0 <= position < len(order) else None
+
+    def _unit_pre_forward(self, unit: Unit) -> None:
+        self._record_order(unit)
+        if self.strategy.weights_sharded:
+            unit.unshard(async_op=False)
+            if self.state is not TrainingState.BACKWARD:
+                nxt = self._neighbour(unit, +1)
+                if nxt is not None and not nxt.is_root:
+                    nxt.unshard(async_op=True)
+        unit.wait_unshard()
+
+    def _unit_post_forward(self, unit: Unit, output):
+        if not self.strategy.weights_sharded:
+            return output
+        if self.state is not TrainingState.BACKWARD:   # recomputation inside backward keeps weights
+            unit.reshard()
+        self._register_pre_backward(unit, output)
+        return output
+
+    def _register_pre_backward(self, unit: Optional[Unit], output) -> None:
+        tensors = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not tensors:
+            return
+        torch.autograd.graph.register_multi_grad_hook(
+            tensors, lambda grads, unit=unit: self._pre_backward(unit), mode="any")
+
+    def _pre_backward(self, unit: Optional[Unit]) -> None:
+        self._on_backward_start()
+        if unit is None or not self.strategy.weights_sharded:
+            return
+        unit.unshard(async_op=False)
+        prev = self._neighbour(unit, -1)
+        if prev is not None and not prev.is_root:
+            prev.unshard(async_op=True)
+        unit.wait_unshard()
+
+    def _on_backward_start(self) -> None:
+        if self._final_callback_queued:
+            return
+        self.state = TrainingState.BACKWARD
+        self._final_callback_queued = True
+        self._reducing_this_backward = self.sync_grads or self.strategy.reduce_every_microbatch
+        Variable._execution_engine.queue_callback(self._post_backward_final)
+        for group in self.groups:
+            group.begin_backward()
+        if self._grads_exposed and self._optimizer_cleared_grads():
+            self.zero_grad_buffer()
+
+    def _optimizer_cleared_grads(self) -> bool:
+        """``optimizer.zero_grad(set_to_none=True)`` left ``.grad`` None: start a fresh accumulation."""
+        mains = [m for g in self.groups if g.requires_grad for m in g.main_params]
+        return any(m.grad is None for m in mains)
+
+    def _on_grad(self, unit: Unit, group: ParamGroup, index: int, param: nn.Parameter) -> None:
+        self._on_backward_start()
+        if param.grad is None:
+            return
+        if group.strategy.grads_sharded and not group.local_grad_buffer_live:
+            self._wait_reduces()          # bound: one full-size grad buffer in flight
+        group.accumulate_grad(index, param.grad)
+        param.grad = None
+        if self._reducing_this_backward and group.all_grads_ready():
+            self._reduce(group)
+            if self.strategy.weights_sharded and not unit.is_root and unit.trainable_groups_reduced():
+                unit.reshard()
+
+    def _reduce(self, group: ParamGroup) -> None:
+        self._wait_reduces()
+        group.reduce_grad(async_op=True)
+
+    def _wait_reduces(self) -> None:
+        for group in self.groups:
+            if group.reduce_pending:
+                group.wait_grad_reduce()
+
+    def _post_backward_final(self) -> None:
+        self._final_callback_queued = False
+        if self._reducing_this_backward:
+            for group in self.groups:
+                if group.has_unreduced_grads:
+                    self._reduce(group)
+            self._wait_reduces()
+            self._expose_grads()
+        if self.strategy.weights_sharded:
+            for unit in self.units:
+                unit.reshard()
+        self.state = TrainingState.IDLE
+        if self._reducing_this_backward:
+            self.allocator.step()
+
+    def _expose_grads(self) -> None:
+        for group in self.groups:
+            group.attach_main_grads()
+        self._grads_exposed = True
+
+    # ------------------------------------------------------------------ Megatron-facing verbs
+    def start_param_sync(self, force_sync: bool = False) -> None:
+        """Refresh replicated weights from main weights the optimizer changed (async)."""
+        if self.strategy.weights_sharded:
+            return
+        for group in self.groups:
+            version = group.main_version()
+            if version != self._synced_main_version[id(group)]:
+                group.refresh_weights_locally_or_gather(async_op=True)
+                self._synced_main_version[id(group)] = version
+        if force_sync:
+            for group in self.groups:
+                group.wait_unshard()
+
+    def start_grad_sync(self) -> None:
+        for group in self.groups:
+            if group.has_unreduced_grads and not group.reduce_pending:
+                self._reduce(group)
+
+    def finish_grad_sync(self) -> None:
+        """Make every gradient final: reduce what is still local, wait, expose. Idempotent."""
+        if self.state is TrainingState.BACKWARD:
+            raise RuntimeError("finish_grad_sync() called during backward; call it after backward returns.")
+        self.start_grad_sync()
+        self._wait_reduces()
+        self._expose_grads()
+
+    def zero_grad_buffer(self) -> None:
+        for group in self.groups:
+            if group.reduce_pending:
+                group.wait_grad_reduce()
+            group.zero_grad_buffers()
+        self._grads_exposed = False

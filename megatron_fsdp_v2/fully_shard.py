@@ -1,0 +1,266 @@
+"""``fully_shard``: wrap a plain PyTorch module in one of the four sharding strategies.
+
+The module keeps its class behaviour and parameter names (its class is swapped for a subclass
+that also derives from ``FullyShardedModule``, as FSDP2 does), so user code and checkpoints see
+the same names. What changes is what ``parameters()`` yields: the optimizer-facing main weights
+(this rank's fp32 shard), which an unmodified ``torch.optim`` optimizer updates in place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from collections import OrderedDict
+from typing import Iterator, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .allocators import Allocator, make_allocator
+from .comm import Communicator
+from .engine import Engine, Unit
+from .mixed_precision import MixedPrecisionPolicy, resolve_dtypes
+from .param_group import ParamGroup
+from .strategy import ShardingStrategy, get_strategy
+from .units import assign_units
+
+
+def default_alignment(device: torch.device) -> int:
+    """Elements each parameter's offset is rounded up to: 1 on CPU (no padding), 64 on GPUs so
+    every parameter view starts on a 128-byte boundary that vectorised kernels like."""
+    return 64 if device.type == "cuda" else 1
+
+
+class FullyShardedModule:
+    """Mixin that a wrapped module's class gains; every method here acts on the whole model."""
+
+    _fsdp: Engine
+
+    # -- what the optimizer sees -------------------------------------------------------------
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        """This rank's main-weight shards, under the original parameter names."""
+        for name, main in self._fsdp_main_params.items():
+            yield (f"{prefix}.{name}" if prefix else name), main
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        for _, main in self.named_parameters():
+            yield main
+
+    # -- gradient and weight synchronisation ----------------------------------------------------
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally; DDP and ZeRO-1 reduce only outside this context.
+
+        ZeRO-2/3 reduce-scatter every micro-batch by design (that is what keeps their gradient
+        memory sharded), so for them this context changes nothing."""
+        engine = self._fsdp
+        previous, engine.sync_grads = engine.sync_grads, False
+        try:
+            yield
+        finally:
+            engine.sync_grads = previous
+
+    def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
+        self._fsdp.finish_grad_sync()
+
+    def start_grad_sync(self, *unused) -> None:
+        self._fsdp.start_grad_sync()
+
+    def start_param_sync(self, *unused, force_sync: bool = False, force_dispatch: bool = False) -> None:
+        self._fsdp.start_param_sync(force_sync=force_sync)
+
+    def zero_grad_buffer(self) -> None:
+        self._fsdp.zero_grad_buffer()
+
+    def comm_stats(self) -> dict:
+        """Calls and bytes of each collective since the last ``reset_comm_stats()``."""
+        return self._fsdp.comm.stats.as_dict()
+
+    def reset_comm_stats(self) -> None:
+        self._fsdp.comm.stats.reset()
+
+    def persistent_bytes(self) -> dict:
+        """Bytes this rank keeps between steps (weights, main weights, grads; not optimizer state)."""
+        total: dict = {}
+        for group in self._fsdp.groups:
+            for role, nbytes in group.persistent_bytes().items():
+                total[role] = total.get(role, 0) + nbytes
+        total["total"] = sum(total.values())
+        return total
+
+    # -- full (unsharded) state dict ---------------------------------------------------------
+    def full_state_dict(self) -> "OrderedDict[str, torch.Tensor]":
+        """{original name: full tensor} of every parameter (main-weight precision) and buffer,
+        identical on every rank. Gathers one group at a time."""
+        out: "OrderedDict[str, torch.Tensor]" = OrderedDict()
+        for group in self._fsdp.groups:
+            full_main = group.gather_full_main()
+            for index, names in enumerate(group.all_names):
+                value = group.full_param(full_main, index).clone()
+                for name in names:
+                    out[name] = value
+        for name, buffer in self._fsdp_buffers():
+            out[name] = buffer.detach().clone()
+        return OrderedDict(sorted(out.items(), key=lambda kv: self._fsdp_name_order.get(kv[0], 1 << 30)))
+
+    def load_full_state_dict(self, state_dict: dict, strict: bool = True) -> None:
+        """Load {original name: full tensor}; each rank keeps only its shard."""
+        expected = {}
+        for group in self._fsdp.groups:
+            for index, names in enumerate(group.all_names):
+                for name in names:
+                    expected[name] = (group, index)
+        buffers = dict(self._fsdp_buffers())
+        missing = [n for g in self._fsdp.groups for names in g.all_names
+                   if not any(k in state_dict for k in names) for n in names[:1]]
+        missing += [n for n in buffers if n not in state_dict]
+        unexpected = [k for k in state_dict if k not in expected and k not in buffers]
+        misshaped = []
+        for key, value in state_dict.items():
+            if key in expected:
+                group, index = expected[key]
+                want = tuple(group.shapes[index])
+            elif key in buffers:
+                want = tuple(buffers[key].shape)
+            else:
+                continue
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) != want:
+                got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                misshaped.append(f"{key}: expected {want}, got {got}")
+        if misshaped or (strict and (missing or unexpected)):
+            raise ValueError(
+                "load_full_state_dict: state_dict does not match the model: "
+                f"missing keys {missing}, unexpected keys {unexpected}, mis-shaped keys {misshaped}."
+            )
+        for key, value in state_dict.items():
+            if key in expected:
+                group, index = expected[key]
+                group.load_full_param(index, value)
+            elif key in buffers:
+                with torch.no_grad():
+                    buffers[key].copy_(value)
+        self._fsdp.start_param_sync(force_sync=True)
+
+    def _fsdp_buffers(self):
+        for name, buffer in nn.Module.named_buffers(self):
+            owner_name, _, leaf = name.rpartition(".")
+            owner = self.get_submodule(owner_name) if owner_name else self
+            if leaf not in owner._non_persistent_buffers_set:
+                yield name, buffer
+
+
+def _check_process_group(process_group) -> None:
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("fully_shard needs torch.distributed initialised (init_process_group) first.")
+    if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+        raise TypeError(f"process_group must be a torch.distributed.ProcessGroup or None, got {type(process_group).__name__}.")
+    size = dist.get_world_size(process_group)
+    if size < 1:
+        raise ValueError(f"process_group must have at least one rank, got size {size}.")
+    rank = dist.get_rank(process_group)
+    if not 0 <= rank < size:
+        raise ValueError(
+            f"process_group: this process (global rank {dist.get_rank()}) is not a member of the group "
+            f"(group rank {rank}, allowed 0..{size - 1}).")
+
+
+def _check_params(module: nn.Module) -> torch.device:
+    params = list(module.parameters())
+    if not params:
+        raise ValueError(f"module: {type(module).__name__} has no parameters to shard.")
+    devices = sorted({str(p.device) for p in params})
+    if len(devices) > 1:
+        raise ValueError(f"module: all parameters must be on one device, got parameters on {devices}.")
+    for name, param in module.named_parameters():
+        if not param.is_floating_point():
+            raise TypeError(f"module: parameter {name!r} has dtype {param.dtype}; only floating-point "
+                            f"parameters can be sharded (float16, bfloat16, float32, float64).")
+    return params[0].device
+
+
+def _check_same_model_on_all_ranks(module: nn.Module, comm: Communicator, device: torch.device) -> None:
+    """Compare a digest of (name, shape, dtype) across ranks so a mismatch errors instead of hanging."""
+    text = ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad}" for n, p in module.named_parameters())
+    digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
+    mine = torch.tensor([digest], dtype=torch.int64, device=device)
+    everyone = torch.empty(comm.size, dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(everyone, mine, group=comm.group)
+    differing = [r for r, d in enumerate(everyone.tolist()) if d != digest]
+    if differing:
+        raise ValueError(
+            f"module: parameter names/shapes/dtypes differ between data-parallel ranks: rank {comm.rank} "
+            f"disagrees with ranks {differing}. Every rank must build the same model before fully_shard.")
+
+
+def fully_shard(
+    module: nn.Module,
+    *,
+    sharding_strategy: Union[str, ShardingStrategy],
+    process_group: Optional[dist.ProcessGroup] = None,
+    unit_modules: Optional[Sequence[type]] = None,
+    mixed_precision: Optional[MixedPrecisionPolicy] = None,
+    allocator: Union[str, Allocator] = "storage_freeing",
+) -> nn.Module:
+    """Shard ``module`` over ``process_group`` with a Megatron sharding strategy; returns it.
+
+    Args:
+        sharding_strategy: ``"no_shard"`` (DDP), ``"optim"`` (ZeRO-1), ``"optim_grads"`` (ZeRO-2)
+            or ``"optim_grads_params"`` (ZeRO-3).
+        process_group: the data-parallel group (default: the world).
+        unit_modules: module classes whose every instance is its own unit (all-gather/reshard and
+            gradient-reduction granularity); the rest of the model is the root unit.
+        mixed_precision: dtypes of compute weights, main weights, grads and grad collectives.
+        allocator: ``"storage_freeing"`` or ``"trace_pool"`` (or an ``Allocator``) for temporaries.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}.")
+    if isinstance(module, FullyShardedModule):
+        raise ValueError(f"module: {type(module).__name__} is already wrapped by fully_shard; wrap a module once.")
+    strategy = get_strategy(sharding_strategy)
+    if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecisionPolicy):
+        raise TypeError(f"mixed_precision must be a MixedPrecisionPolicy or None, got {type(mixed_precision).__name__}.")
+    alloc = make_allocator(allocator)
+    _check_process_group(process_group)
+    device = _check_params(module)
+    specs = assign_units(module, unit_modules)
+    comm = Communicator(process_group)
+    _check_same_model_on_all_ranks(module, comm, device)
+
+    alignment = default_alignment(device)
+    units: list[Unit] = []
+    for unit_index, spec in enumerate(specs):
+        buckets: "OrderedDict[tuple, list]" = OrderedDict()
+        for first_name, names, param in spec.params:
+            buckets.setdefault((param.dtype, param.requires_grad), []).append((first_name, names, param))
+        groups = []
+        for (dtype, requires_grad), entries in buckets.items():
+            tag = f"{spec.fqn or '<root>'}/{str(dtype).replace('torch.', '')}/{'grad' if requires_grad else 'frozen'}"
+            group = ParamGroup(tag, [e[2] for e in entries], [e[0] for e in entries], strategy, comm,
+                               resolve_dtypes(dtype, mixed_precision, requires_grad), alloc, device, alignment)
+            group.all_names = [e[1] for e in entries]
+            groups.append(group)
+        units.append(Unit(unit_index, spec.module, spec.fqn, groups))
+
+    main_by_param = {}
+    for unit in units:
+        for group in unit.groups:
+            for param, main in zip(group.params, group.main_params):
+                main_by_param[id(param)] = main
+    main_params = OrderedDict()
+    name_order = {}
+    for name, param in nn.Module.named_parameters(module, remove_duplicate=False):
+        name_order.setdefault(name, len(name_order))
+        if id(param) in main_by_param and not any(m is main_by_param[id(param)] for m in main_params.values()):
+            main_params[name] = main_by_param[id(param)]
+    for name, _ in nn.Module.named_buffers(module):
+        name_order.setdefault(name, len(name_order))
+
+    cls = module.__class__
+    module.__class__ = type(f"FullySharded{cls.__name__}", (FullyShardedModule, cls), {})
+    module._fsdp_main_params = main_params
+    module._fsdp_name_order = name_order
+    module._fsdp = Engine(module, units, strategy, alloc, comm)
+    comm.stats.reset()
+    return module

@@ -1,0 +1,322 @@
+"""ParamGroup: the flat buffers of one unit's parameters of one dtype x requires_grad.
+
+A group owns, per ``strategy.py``'s table:
+
+* ``main_shard``: the main weights the optimizer updates: this rank's shard (``optim_sharded``)
+  or the whole buffer. Optimizer-facing parameters (``main_params``) are views into it.
+* ``model_weights``: the full-size compute-dtype buffer forward and backward read. Persistent,
+  or (``weights_sharded``) a temporary from the allocator that lives only around a unit's use.
+  When nothing is sharded and dtypes agree, it *is* ``main_shard`` (no second copy).
+* grads: a persistent full-size ``full_grad`` (``grads_sharded`` False) or a persistent
+  ``grad_shard`` plus a temporary full-size buffer from the allocator that lives from the unit's
+  first gradient to the end of its reduce-scatter.
+
+The engine (``module.py``) decides *when* to call ``unshard`` / ``reshard`` / ``reduce_grad``;
+this file decides *how*, from the table's booleans.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple, Optional, Sequence
+
+import torch
+import torch.nn as nn
+
+from .allocators.base import Allocator
+from .comm import Communicator
+from .layout import FlatLayout, build_layout
+from .mixed_precision import GroupDtypes
+from .strategy import ShardingStrategy
+
+
+class PendingCollective(NamedTuple):
+    """An issued asynchronous collective and what to run once it has completed."""
+
+    work: object                      # torch.distributed Work or None (already complete)
+    on_complete: Callable[[], None]
+
+
+def _wait(pending: Optional[PendingCollective]) -> None:
+    if pending is None:
+        return
+    if pending.work is not None:
+        pending.work.wait()
+    pending.on_complete()
+
+
+class ParamGroup:
+    """Flat main-weight, model-weight and grad buffers of a list of parameters."""
+
+    def __init__(
+        self,
+        name: str,
+        params: Sequence[nn.Parameter],
+        param_names: Sequence[str],
+        strategy: ShardingStrategy,
+        comm: Communicator,
+        dtypes: GroupDtypes,
+        allocator: Allocator,
+        device: torch.device,
+        alignment: int = 1,
+    ) -> None:
+        self.name = name
+        self.params = list(params)
+        self.param_names = list(param_names)
+        self.shapes = [p.shape for p in self.params]
+        self.strategy = strategy
+        self.comm = comm
+        self.dtypes = dtypes
+        self.allocator = allocator
+        self.device = device
+        self.requires_grad = self.params[0].requires_grad
+        self.layout: FlatLayout = build_layout([p.numel() for p in self.params], comm.size, alignment)
+        rank = comm.rank
+        self.shard_start, self.shard_end = (
+            self.layout.shard_range(rank) if strategy.optim_sharded else (0, self.layout.total_numel)
+        )
+        self._weights_key = (name, "model_weights")
+        self._grad_key = (name, "full_grad")
+        self._pending_unshard: Optional[PendingCollective] = None
+        self._pending_reduce: Optional[PendingCollective] = None
+        self.is_unsharded = False
+        self._temp_grad: Optional[torch.Tensor] = None
+        self.grads_ready = [False] * len(self.params)
+        self.has_unreduced_grads = False
+        self._init_buffers()
+
+    # ------------------------------------------------------------------ construction
+    def _init_buffers(self) -> None:
+        total = self.layout.total_numel
+        dt = self.dtypes
+        with torch.no_grad():
+            initial = torch.zeros(total, dtype=dt.main, device=self.device)
+            for index, param in enumerate(self.params):
+                start, end = self.layout.param_range(index)
+                initial[start:end].copy_(param.detach().reshape(-1))
+            self.main_shard = initial[self.shard_start:self.shard_end].clone() if self.strategy.optim_sharded else initial
+        del initial
+        self.main_aliases_model = not self.strategy.optim_sharded and dt.compute == dt.main
+        if self.strategy.weights_sharded:
+            self.model_weights: Optional[torch.Tensor] = None
+            for param in self.params:
+                param.data = torch.empty(0, dtype=dt.compute, device=self.device)
+        else:
+            if self.main_aliases_model:
+                self.model_weights = self.main_shard
+            else:
+                self.model_weights = torch.empty(total, dtype=dt.compute, device=self.device)
+            self._point_params_at(self.model_weights)
+            self.is_unsharded = True
+            if not self.main_aliases_model:
+                self.refresh_weights_locally_or_gather(async_op=False)
+
+        self.main_params = [self._make_main_param(i) for i in range(len(self.params))]
+        if self.requires_grad:
+            grad_numel = self.layout.shard_numel if self.strategy.grads_sharded else total
+            persistent = torch.zeros(grad_numel, dtype=dt.grad, device=self.device)
+            self.full_grad = None if self.strategy.grads_sharded else persistent
+            self.grad_shard = persistent if self.strategy.grads_sharded else None
+        else:
+            self.full_grad = self.grad_shard = None
+
+    def _main_view(self, buffer: torch.Tensor, index: int) -> torch.Tensor:
+        """``index``'s piece of a buffer laid out like ``main_shard`` (shard or whole)."""
+        if self.strategy.optim_sharded:
+            piece = self.layout.shard_slice(index, self.comm.rank)
+            return buffer[piece.shard_start:piece.shard_start + piece.numel]
+        start, end = self.layout.param_range(index)
+        return buffer[start:end].view(self.shapes[index])
+
+    def _make_main_param(self, index: int) -> nn.Parameter:
+        main = nn.Parameter(self._main_view(self.main_shard, index), requires_grad=self.requires_grad)
+        return main
+
+    def _point_params_at(self, full: torch.Tensor) -> None:
+        for index, param in enumerate(self.params):
+            start, end = self.layout.param_range(index)
+            param.data = full[start:end].view(self.shapes[index])
+
+    # ------------------------------------------------------------------ weights
+    def main_version(self) -> int:
+        """Changes whenever the optimizer (or a load) writes the main weights in place."""
+        return sum(p._version for p in self.main_params)
+
+    def refresh_weights_locally_or_gather(self, async_op: bool = True) -> None:
+        """Rebuild the persistent replicated compute weights from the main weights."""
+        if self.main_aliases_model:
+            return
+        if self.strategy.optim_sharded:
+            self._gather_into(self.model_weights, async_op)
+        else:
+            with torch.no_grad():
+                self.model_weights.copy_(self.main_shard)
+
+    def _gather_into(self, full: torch.Tensor, async_op: bool) -> None:
+        shard = self.main_shard
+        if shard.dtype != full.dtype:
+            shard = shard.to(full.dtype)
+        work = self.comm.all_gather(full, shard, async_op=async_op)
+        self._pending_unshard = PendingCollective(work if async_op else None, lambda: None)
+
+    def unshard(self, async_op: bool = True) -> None:
+        """ZeRO-3: allocate the full compute buffer and all-gather the weights into it."""
+        if self.is_unsharded:
+            return
+        full = self.allocator.allocate(self._weights_key, self.layout.total_numel, self.dtypes.compute, self.device)
+        self.model_weights = full
+        self._point_params_at(full)
+        self._gather_into(full, async_op)
+        self.is_unsharded = True
+
+    def wait_unshard(self) -> None:
+        pending, self._pending_unshard = self._pending_unshard, None
+        _wait(pending)
+
+    def reshard(self) -> None:
+        """ZeRO-3: give the full compute buffer back; parameters become empty until the next unshard."""
+        if not (self.strategy.weights_sharded and self.is_unsharded):
+            return
+        self.wait_unshard()
+        for param in self.params:
+            param.data = torch.empty(0, dtype=self.dtypes.compute, device=self.device)
+        self.model_weights = None
+        self.allocator.free(self._weights_key)
+        self.is_unsharded = False
+
+    # ------------------------------------------------------------------ grads
+    @property
+    def local_grad_buffer_live(self) -> bool:
+        return self.strategy.grads_sharded and self.allocator.is_live(self._grad_key)
+
+    def accumulate_grad(self, index: int, grad: torch.Tensor) -> None:
+        """Add one parameter's fresh gradient into the full-size (persistent or temporary) buffer."""
+        if self.strategy.grads_sharded:
+            if not self.allocator.is_live(self._grad_key):
+                buffer = self.allocator.allocate(self._grad_key, self.layout.total_numel, self.dtypes.grad_comm,
+                                                 self.device)
+                buffer.zero_()
+                self._temp_grad = buffer
+            full = self._temp_grad
+        else:
+            full = self.full_grad
+        start, end = self.layout.param_range(index)
+        full[start:end].add_(grad.reshape(-1))
+        self.grads_ready[index] = True
+        self.has_unreduced_grads = True
+
+    def begin_backward(self) -> None:
+        """Readiness is per backward pass: a parameter counts once it got this pass's gradient."""
+        self.grads_ready = [False] * len(self.params)
+
+    def all_grads_ready(self) -> bool:
+        return all(self.grads_ready)
+
+    def reduce_grad(self, async_op: bool = True) -> None:
+        """Reduce this micro-batch's (or accumulated) local gradients over the data-parallel group.
+
+        Result: the data-parallel mean lands in ``grad_shard`` (added to it: ZeRO-2/3 accumulate over
+        micro-batches), or in ``full_grad``'s shard range (ZeRO-1) or all of ``full_grad`` (DDP).
+        """
+        if not self.requires_grad or not self.has_unreduced_grads:
+            return
+        if self._pending_reduce is not None:
+            raise RuntimeError(f"{self.name}: reduce_grad called while the previous reduce is still pending.")
+        dp = self.comm.size
+        comm_dtype = self.dtypes.grad_comm
+        if self.strategy.grads_sharded:
+            full = self._temp_grad
+        else:
+            full = self.full_grad if self.full_grad.dtype == comm_dtype else self.full_grad.to(comm_dtype)
+
+        if self.strategy.grad_reduce_op == "all_reduce":
+            work = self.comm.all_reduce(full, async_op=async_op)
+
+            def on_complete(full=full):
+                with torch.no_grad():
+                    if full is not self.full_grad:
+                        self.full_grad.copy_(full)
+                    self.full_grad.div_(dp)
+        else:
+            shard_out = torch.empty(self.layout.shard_numel, dtype=comm_dtype, device=self.device)
+            work = self.comm.reduce_scatter(shard_out, full, async_op=async_op)
+
+            def on_complete(shard_out=shard_out):
+                with torch.no_grad():
+                    if self.strategy.grads_sharded:
+                        self.grad_shard.add_(shard_out.to(self.grad_shard.dtype), alpha=1.0 / dp)
+                        self.allocator.free(self._grad_key)
+                        self._temp_grad = None
+                    else:
+                        start, end = self.layout.shard_range(self.comm.rank)
+                        self.full_grad[start:end].copy_(shard_out).div_(dp)
+
+        self._pending_reduce = PendingCollective(work if async_op else None, on_complete)
+        self.has_unreduced_grads = False
+        self.grads_ready = [False] * len(self.params)
+        if not async_op:
+            self.wait_grad_reduce()
+
+    @property
+    def reduce_pending(self) -> bool:
+        return self._pending_reduce is not None
+
+    def wait_grad_reduce(self) -> None:
+        pending, self._pending_reduce = self._pending_reduce, None
+        _wait(pending)
+
+    def main_grad_buffer(self) -> Optional[torch.Tensor]:
+        """The buffer laid out like ``main_shard`` that holds the reduced gradients."""
+        if not self.requires_grad:
+            return None
+        if self.strategy.grads_sharded:
+            return self.grad_shard
+        if self.strategy.optim_sharded:
+            return self.full_grad[self.shard_start:self.shard_end]
+        return self.full_grad
+
+    def attach_main_grads(self) -> None:
+        """Point every optimizer-facing parameter's ``.grad`` at its reduced gradient."""
+        buffer = self.main_grad_buffer()
+        if buffer is None:
+            return
+        for index, main in enumerate(self.main_params):
+            main.grad = self._main_view(buffer, index)
+
+    def zero_grad_buffers(self) -> None:
+        with torch.no_grad():
+            for buffer in (self.full_grad, self.grad_shard):
+                if buffer is not None:
+                    buffer.zero_()
+        self.has_unreduced_grads = False
+        self.grads_ready = [False] * len(self.params)
+
+    # ------------------------------------------------------------------ accounting and export
+    def persistent_bytes(self) -> dict:
+        """Bytes this rank keeps between steps, by role (temporaries excluded)."""
+        def nbytes(t):
+            return 0 if t is None else t.numel() * t.element_size()
+        model = 0 if (self.strategy.weights_sharded or self.main_aliases_model) else nbytes(self.model_weights)
+        return {"main_weights": nbytes(self.main_shard), "model_weights": model,
+                "grads": nbytes(self.full_grad) + nbytes(self.grad_shard)}
+
+    def gather_full_main(self) -> torch.Tensor:
+        """The whole main-weight buffer on every rank (one all-gather when sharded)."""
+        if not self.strategy.optim_sharded:
+            return self.main_shard.detach().clone()
+        full = torch.empty(self.layout.total_numel, dtype=self.main_shard.dtype, device=self.device)
+        self.comm.all_gather(full, self.main_shard.detach())
+        return full
+
+    def full_param(self, full_main: torch.Tensor, index: int) -> torch.Tensor:
+        start, end = self.layout.param_range(index)
+        return full_main[start:end].view(self.shapes[index])
+
+    def load_full_param(self, index: int, value: torch.Tensor) -> None:
+        """Copy this rank's piece of a full parameter value into the main weights."""
+        flat = value.detach().reshape(-1).to(device=self.device, dtype=self.main_shard.dtype)
+        with torch.no_grad():
+            if self.strategy.optim_sharded:
+                piece = self.layout.shard_slice(index, self.comm.rank)
+                self.main_params[index].copy_(flat[piece.param_start:piece.param_end])
+            else:
+                self.main_params[index].copy_(flat.view(self.shapes[index]))

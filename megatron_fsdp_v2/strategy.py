@@ -1,0 +1,77 @@
+"""The strategy table: the one place that says what each sharding strategy keeps and when it talks.
+
+Strategies differ only in data (STYLE.md, "strategy as data"): which buffers a rank keeps sharded
+between steps and which collective reduces gradients when. Code elsewhere asks
+``strategy.grads_sharded``, never ``strategy.name == "optim_grads"``.
+
+==========================  =======  =====  =========  ==================  ==================
+name (Megatron's spelling)  weights  grads  optimizer  grads reduced        grad collective
+==========================  =======  =====  =========  ==================  ==================
+no_shard            (DDP)   full     full   full       last micro-batch    all-reduce
+optim             (ZeRO-1)  full     full   shard      last micro-batch    reduce-scatter
+optim_grads       (ZeRO-2)  full     shard  shard      every micro-batch   reduce-scatter
+optim_grads_params(ZeRO-3)  shard    shard  shard      every micro-batch   reduce-scatter
+==========================  =======  =====  =========  ==================  ==================
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ShardingStrategy:
+    """What a rank keeps between steps, and when gradients are reduced.
+
+    Attributes:
+        name: Megatron's name for it (``--data-parallel-sharding-strategy``).
+        optim_sharded: the fp32 main weights (and so the optimizer state) are a 1/dp shard.
+        grads_sharded: the persistent gradient buffer is a 1/dp shard; full-size grads exist only
+            temporarily, one unit at a time, until their reduce-scatter has run.
+        weights_sharded: the compute weights are freed after each unit's forward and backward and
+            all-gathered again before the next use (ZeRO-3).
+        reduce_every_microbatch: gradients are reduced after every backward, also inside
+            ``no_sync()``; otherwise they accumulate locally until the last micro-batch.
+    """
+
+    name: str
+    optim_sharded: bool
+    grads_sharded: bool
+    weights_sharded: bool
+    reduce_every_microbatch: bool
+
+    @property
+    def grad_reduce_op(self) -> str:
+        """``"all_reduce"`` when every rank needs every gradient, else ``"reduce_scatter"``."""
+        return "reduce_scatter" if self.optim_sharded else "all_reduce"
+
+    @property
+    def refreshes_weights_by_all_gather(self) -> bool:
+        """Replicated compute weights rebuilt from updated main-weight shards once per step."""
+        return self.optim_sharded and not self.weights_sharded
+
+
+STRATEGIES: dict[str, ShardingStrategy] = {
+    s.name: s
+    for s in (
+        ShardingStrategy("no_shard", optim_sharded=False, grads_sharded=False, weights_sharded=False,
+                         reduce_every_microbatch=False),
+        ShardingStrategy("optim", optim_sharded=True, grads_sharded=False, weights_sharded=False,
+                         reduce_every_microbatch=False),
+        ShardingStrategy("optim_grads", optim_sharded=True, grads_sharded=True, weights_sharded=False,
+                         reduce_every_microbatch=True),
+        ShardingStrategy("optim_grads_params", optim_sharded=True, grads_sharded=True, weights_sharded=True,
+                         reduce_every_microbatch=True),
+    )
+}
+
+STRATEGY_NAMES = tuple(STRATEGIES)
+
+
+def get_strategy(name: "str | ShardingStrategy", argument: str = "sharding_strategy") -> ShardingStrategy:
+    """Look a strategy up by Megatron's name; anything else is a ``ValueError`` naming the choices."""
+    if isinstance(name, ShardingStrategy):
+        return name
+    if not isinstance(name, str) or name not in STRATEGIES:
+        raise ValueError(f"{argument} must be one of {list(STRATEGY_NAMES)}, got {name!r}.")
+    return STRATEGIES[name]

@@ -1,0 +1,16 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron_fsdp_v2",
+    version="0.1.0",
+    description="Fully sharded data parallelism (ZeRO-1/2/3) for Megatron-Core and plain PyTorch loops.",
+    packages=find_packages(include=["megatron_fsdp_v2", "megatron_fsdp_v2.*"]),
+    python_requires=">=3.10",
+    install_requires=["torch", "numpy", "packaging"],
+    extras_require={
+        "megatron": ["megatron-core==0.19.2"],
+        "test": ["pytest", "hypothesis"],
+        "te": ["transformer-engine"],
+        "bench": ["matplotlib"],
+    },
+)

@@ -1,0 +1,43 @@
+"""Small models with awkward shapes for the parity, counting and memory tests."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+
+class Block(nn.Module):
+    """A unit: odd-sized linear layers, one without bias, and a 0-d scale."""
+
+    def __init__(self, width: int, hidden: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(width, hidden)
+        self.down = nn.Linear(hidden, width, bias=False)
+        self.scale = nn.Parameter(torch.tensor(0.9))
+        self.norm = nn.LayerNorm(width)
+
+    def forward(self, x):
+        return x + self.scale * self.down(torch.tanh(self.up(self.norm(x))))
+
+
+class UnevenNet(nn.Module):
+    """Embedding-free regression net: an input projection, ``depth`` Blocks, a head and a 0-d bias."""
+
+    def __init__(self, width: int = 13, hidden: int = 37, depth: int = 3, out: int = 5) -> None:
+        super().__init__()
+        self.proj = nn.Linear(7, width)
+        self.blocks = nn.ModuleList(Block(width, hidden) for _ in range(depth))
+        self.head = nn.Linear(width, out, bias=False)
+        self.offset = nn.Parameter(torch.tensor(0.1))
+
+    def forward(self, x):
+        h = self.proj(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h) + self.offset
+
+
+def make_batches(seed: int, rank: int, count: int, batch: int = 4):
+    """Deterministic (input, target) pairs, different per rank."""
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    return [(torch.randn(batch, 7, generator=g), torch.randn(batch, 5, generator=g)) for _ in range(count)]

@@ -29,6 +29,7 @@ import torch.nn as nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_leaves
 
+from .optimizer_hook import watch_optimizer_steps
 from .param_group import ParamGroup
 from .strategy import ShardingStrategy
 
@@ -89,7 +90,12 @@ class Engine:
         self._synced_main_version = {id(g): g.main_version() for g in self.groups}
         self._param_sync_pending = False
         self._handles: list = []
+        self._main_param_ids = {id(m) for g in self.groups for m in g.main_params}
         self._register_hooks()
+        watch_optimizer_steps(self)
+
+    def owns_any(self, param_ids: set) -> bool:
+        return not self._main_param_ids.isdisjoint(param_ids)
 
     # ------------------------------------------------------------------ hooks
     def _register_hooks(self) -> None:
@@ -123,10 +129,10 @@ class Engine:
     def _root_post_forward(self, module, args, output):
         if self._forward_order:
             self._order_recorded = True
-        if self.strategy.weights_sharded:
-            self._register_pre_backward(self.units[0], output)
-        else:
-            self._register_pre_backward(None, output)
+        root = self.units[0]
+        if self.strategy.weights_sharded and self.state is not TrainingState.BACKWARD:
+            root.reshard()
+        self._register_pre_backward(root, output)
         for unit in self.units:       # a unit the forward skipped must not keep a refresh pending
             unit.wait_unshard()
         self.state = TrainingState.IDLE
@@ -161,16 +167,16 @@ class Engine:
         self._register_pre_backward(unit, output)
         return output
 
-    def _register_pre_backward(self, unit: Optional[Unit], output) -> None:
+    def _register_pre_backward(self, unit: Unit, output) -> None:
         tensors = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not tensors:
             return
         torch.autograd.graph.register_multi_grad_hook(
             tensors, lambda grads, unit=unit: self._pre_backward(unit), mode="any")
 
-    def _pre_backward(self, unit: Optional[Unit]) -> None:
+    def _pre_backward(self, unit: Unit) -> None:
         self._on_backward_start()
-        if unit is None or not self.strategy.weights_sharded:
+        if not self.strategy.weights_sharded:
             return
         unit.unshard(async_op=False)
         prev = self._neighbour(unit, -1)

@@ -247,7 +247,12 @@ class ParamGroup:
                         self.allocator.free(self._grad_key)
                         self._temp_grad = None
                     else:
+                        # Other ranks' regions hold this rank's unreduced sums, which nobody reads;
+                        # zero them so an optimizer that zeroes only its own .grad views
+                        # (zero_grad(set_to_none=False)) starts the next step from a clean buffer.
                         start, end = self.layout.shard_range(self.comm.rank)
+                        self.full_grad[:start].zero_()
+                        self.full_grad[end:].zero_()
                         self.full_grad[start:end].copy_(shard_out).div_(dp)
 
         self._pending_reduce = PendingCollective(work if async_op else None, on_complete)

@@ -41,3 +41,39 @@ def make_batches(seed: int, rank: int, count: int, batch: int = 4):
     """Deterministic (input, target) pairs, different per rank."""
     g = torch.Generator().manual_seed(seed * 1000 + rank)
     return [(torch.randn(batch, 7, generator=g), torch.randn(batch, 5, generator=g)) for _ in range(count)]
+
+
+class Tiny(nn.Module):
+    """A unit holding one element: smaller than dp_size, so most ranks' shards of it are empty."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.tensor([1.1]))
+
+    def forward(self, x):
+        return x * self.gain
+
+
+class EdgeNet(nn.Module):
+    """Tied embedding/output weights, a frozen layer, a unit smaller than dp_size, a 0-d scale."""
+
+    def __init__(self, vocab: int = 11, width: int = 6) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, width)
+        self.frozen = nn.Linear(width, width)
+        self.frozen.requires_grad_(False)
+        self.tiny = Tiny()
+        self.block = Block(width, 9)
+        self.out = nn.Linear(width, vocab, bias=False)
+        self.out.weight = self.emb.weight
+        self.temperature = nn.Parameter(torch.tensor(1.3))
+
+    def forward(self, tokens):
+        h = self.tiny(self.frozen(self.emb(tokens)))
+        return self.out(self.block(h)) / self.temperature
+
+
+def make_token_batches(seed: int, rank: int, count: int, batch: int = 3, seq: int = 5, vocab: int = 11):
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    return [(torch.randint(0, vocab, (batch, seq), generator=g), torch.randint(0, vocab, (batch, seq), generator=g))
+            for _ in range(count)]

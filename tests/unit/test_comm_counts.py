@@ -1,0 +1,103 @@
+"""Exactly the collectives of the strategy table, per micro-batch and per step, and little padding."""
+
+import contextlib
+
+import pytest
+import torch
+
+from megatron_fsdp_v2 import STRATEGY_NAMES, fully_shard
+
+from .comm_counter import CollectiveCounter
+from .dist_utils import run_distributed
+from .models import Block, UnevenNet, make_batches
+from .scenarios import loss_fn
+
+K = 3
+
+
+def count_phases_worker(rank, world_size, strategy, k=K):
+    """Per phase of step 2 (warm): collectives seen by the dispatch counter and by comm_stats."""
+    torch.manual_seed(0)
+    model = fully_shard(UnevenNet(depth=3), sharding_strategy=strategy, unit_modules=[Block])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    phases = {}
+    counter = CollectiveCounter()
+    for step in range(2):
+        model.reset_comm_stats()
+        for i, (x, y) in enumerate(make_batches(step, rank, k)):
+            with (model.no_sync() if i < k - 1 else contextlib.nullcontext()):
+                with counter:
+                    out = model(x)
+                phases[(step, i, "forward")] = counter.take()
+                with counter:
+                    loss_fn(out, y).backward()
+                phases[(step, i, "backward")] = counter.take()
+        with counter:
+            opt.step()
+        phases[(step, "step")] = counter.take()
+        opt.zero_grad()
+        stats = model.comm_stats()
+    groups = model._fsdp.groups
+    padded = [g.layout.total_numel for g in groups]
+    true_numel = sum(p.numel() for g in groups for p in g.params)
+    return phases, stats, padded, true_numel
+
+
+def _expected(strategy, i, phase, k, n_units, group_bytes):
+    """The strategy table, for one phase of one micro-batch (i) of a step with k micro-batches."""
+    last = i == k - 1
+    total = sum(group_bytes)
+    if phase == "step":
+        return {"all_gather": (n_units, total)} if strategy in ("optim", "optim_grads") else {}
+    if strategy == "no_shard":
+        return {"all_reduce": (n_units, total)} if (phase == "backward" and last) else {}
+    if strategy == "optim":
+        return {"reduce_scatter": (n_units, total)} if (phase == "backward" and last) else {}
+    if strategy == "optim_grads":
+        return {"reduce_scatter": (n_units, total)} if phase == "backward" else {}
+    # optim_grads_params: per unit an all-gather before forward and before backward, a
+    # reduce-scatter after backward, every micro-batch
+    if phase == "forward":
+        return {"all_gather": (n_units, total)}
+    return {"all_gather": (n_units, total), "reduce_scatter": (n_units, total)}
+
+
+@pytest.mark.parametrize("strategy", STRATEGY_NAMES)
+def test_collectives_per_phase_match_the_strategy_table(strategy):
+    phases, stats, padded, _ = run_distributed(count_phases_worker, 2, strategy)[0]
+    group_bytes = [4 * n for n in padded]
+    n_units = len(padded)
+    assert n_units == 4   # root + 3 Blocks, one fp32 trainable group each
+    for i in range(K):
+        for phase in ("forward", "backward"):
+            assert phases[(1, i, phase)] == _expected(strategy, i, phase, K, n_units, group_bytes), (i, phase)
+    assert phases[(1, "step")] == _expected(strategy, 0, "step", K, n_units, group_bytes)
+    # comm_stats agrees with the independent counter over the whole step
+    for name in ("all_gather", "reduce_scatter", "all_reduce"):
+        count = sum(phases[key].get(name, (0, 0))[0] for key in phases if key[0] == 1)
+        nbytes = sum(phases[key].get(name, (0, 0))[1] for key in phases if key[0] == 1)
+        # the step's all-gather is issued inside opt.step(), before the next reset: compare calls
+        # made during micro-batches only
+        mb_count = sum(phases[key].get(name, (0, 0))[0] for key in phases if key[0] == 1 and key[1] != "step")
+        mb_bytes = sum(phases[key].get(name, (0, 0))[1] for key in phases if key[0] == 1 and key[1] != "step")
+        step_count = phases[(1, "step")].get(name, (0, 0))[0]
+        assert stats[name]["count"] == mb_count + step_count, name
+        assert stats[name]["bytes"] == mb_bytes + phases[(1, "step")].get(name, (0, 0))[1], name
+        assert count == stats[name]["count"] and nbytes == stats[name]["bytes"]
+
+
+def test_optim_issues_nothing_before_the_last_microbatch():
+    phases, *_ = run_distributed(count_phases_worker, 2, "optim", 4)[0]
+    for i in range(3):
+        assert phases[(1, i, "forward")] == {} and phases[(1, i, "backward")] == {}
+    assert phases[(1, 3, "backward")]["reduce_scatter"][0] == 4
+
+
+def test_padding_costs_under_half_a_percent_at_dp4():
+    phases, stats, padded, true_numel = run_distributed(count_phases_worker, 4, "optim_grads")[0]
+    psi_bytes = 4 * true_numel
+    moved_per_collective = stats["all_gather"]["bytes"]      # one all-gather of every group per step
+    assert moved_per_collective == 4 * sum(padded)
+    overhead = moved_per_collective / psi_bytes - 1
+    assert 0 <= overhead < 0.005, overhead
+    assert stats["reduce_scatter"]["bytes"] == K * moved_per_collective

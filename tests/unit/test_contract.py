@@ -1,0 +1,159 @@
+"""The fully_shard contract: forward equality, optimizer-facing params, grad semantics, edge cases."""
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+from megatron_fsdp_v2 import STRATEGY_NAMES, fully_shard
+
+from .dist_utils import run_distributed
+from .models import Block, EdgeNet, Tiny, UnevenNet, make_batches, make_token_batches
+
+
+def _ce(logits, target):
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+
+def edge_worker(rank, world_size):
+    """EdgeNet (tied, frozen, tiny, 0-d) trains like DDP under every strategy; frozen stays put."""
+    report = {}
+    k = 2
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(EdgeNet())
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    for step in range(3):
+        for i, (x, y) in enumerate(make_token_batches(step, rank, k)):
+            with (ddp.no_sync() if i < k - 1 else contextlib.nullcontext()):
+                _ce(ddp(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    reference = ddp.module.state_dict()
+    torch.manual_seed(0)
+    initial = EdgeNet().state_dict()
+    for strategy in STRATEGY_NAMES:
+        torch.manual_seed(0)
+        model = fully_shard(EdgeNet(), sharding_strategy=strategy, unit_modules=[Block, Tiny])
+        names = [n for n, _ in model.named_parameters()]
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for step in range(3):
+            for i, (x, y) in enumerate(make_token_batches(step, rank, k)):
+                with (model.no_sync() if i < k - 1 else contextlib.nullcontext()):
+                    _ce(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        full = model.full_state_dict()
+        diffs = {n: (full[n] - reference[n]).abs().max().item() for n in reference}
+        frozen_moved = (full["frozen.weight"] - initial["frozen.weight"]).abs().max().item()
+        tiny_shard_sizes = [m.numel() for n, m in model.named_parameters() if n == "tiny.gain"]
+        report[strategy] = (diffs, frozen_moved, names, tiny_shard_sizes, sorted(full))
+    return report
+
+
+@pytest.mark.parametrize("dp_size", [2, 4])
+def test_tied_frozen_tiny_and_empty_shards_match_ddp(dp_size):
+    reports = run_distributed(edge_worker, dp_size)
+    for rank, report in enumerate(reports):
+        for strategy, (diffs, frozen_moved, names, tiny_sizes, keys) in report.items():
+            assert max(diffs.values()) < 1e-5, (strategy, rank, diffs)
+            assert frozen_moved == 0.0
+            # original names, tied weight once (named_parameters dedups like torch)
+            assert names == ["emb.weight", "frozen.weight", "frozen.bias", "temperature", "tiny.gain",
+                             "block.scale", "block.up.weight", "block.up.bias", "block.down.weight",
+                             "block.norm.weight", "block.norm.bias"] or sorted(names) == sorted(set(names))
+            assert "out.weight" in keys and "emb.weight" in keys
+            if strategy != "no_shard":
+                # the 1-element unit lives on rank 0 only; other ranks have an empty shard
+                assert tiny_sizes == ([1] if rank == 0 else [0])
+
+
+def semantics_worker(rank, world_size, strategy):
+    torch.manual_seed(0)
+    plain = UnevenNet()
+    torch.manual_seed(0)
+    model = fully_shard(UnevenNet(), sharding_strategy=strategy, unit_modules=[Block])
+    x, y = make_batches(7, rank, 1)[0]
+    out = {}
+    with torch.no_grad():
+        out["forward_equal"] = torch.equal(model(x), plain(x))
+    mains = list(model.parameters())
+    out["main_dtypes"] = {str(p.dtype) for p in mains}
+    out["main_numel"] = sum(p.numel() for p in mains)
+    out["full_numel"] = sum(p.numel() for p in plain.parameters())
+    out["all_leaf"] = all(p.is_leaf and p.requires_grad for p in mains)
+    # grads: DP mean of per-rank sum over micro-batches
+    batches = make_batches(11, rank, 3)
+    for i, (xb, yb) in enumerate(batches):
+        with (model.no_sync() if i < 2 else contextlib.nullcontext()):
+            ((model(xb) - yb) ** 2).mean().backward()
+    model.finish_grad_sync()
+    model.finish_grad_sync()             # idempotent
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    # reference grad: local sums, averaged over ranks with an explicit all_reduce
+    plain.zero_grad()
+    for xb, yb in batches:
+        ((plain(xb) - yb) ** 2).mean().backward()
+    ref = {}
+    for n, p in plain.named_parameters():
+        g = p.grad.clone()
+        torch.distributed.all_reduce(g)
+        ref[n] = (g / world_size).reshape(-1)
+    group_of = {}
+    for g in model._fsdp.groups:
+        for i, names in enumerate(g.all_names):
+            group_of[names[0]] = (g, i)
+    errs = []
+    for n, grad in grads.items():
+        g, i = group_of[n]
+        if strategy == "no_shard":
+            want = ref[n]
+        else:
+            piece = g.layout.shard_slice(i, rank)
+            want = ref[n][piece.param_start:piece.param_end]
+        errs.append((grad.reshape(-1) - want).abs().max().item() if want.numel() else 0.0)
+    out["grad_err"] = max(errs)
+    out["ref_grad_nonzero"] = all(v.abs().sum() > 0 for v in ref.values())
+    # zero_grad(set_to_none=False) zeroes, set_to_none=True resets accumulation, zero_grad_buffer too
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt.zero_grad(set_to_none=False)
+    out["zeroed"] = all(float(p.grad.abs().sum()) == 0 for p in model.parameters())
+    xb, yb = batches[0]
+    ((model(xb) - yb) ** 2).mean().backward()
+    one = {n: p.grad.clone() for n, p in model.named_parameters()}
+    opt.zero_grad(set_to_none=True)
+    ((model(xb) - yb) ** 2).mean().backward()
+    two = {n: p.grad.clone() for n, p in model.named_parameters()}
+    out["set_to_none_resets"] = all(torch.equal(one[n], two[n]) for n in one)
+    model.zero_grad_buffer()
+    out["zero_grad_buffer"] = all(float(p.grad.abs().sum()) == 0 for p in model.parameters())
+    # updated weights used by the next forward without any other call; start_param_sync early
+    before = model(xb).detach()
+    ((model(xb) - yb) ** 2).mean().backward()
+    opt.step()
+    model.start_param_sync()
+    after = model(xb).detach()
+    out["forward_sees_update"] = not torch.equal(before, after)
+    full = model.full_state_dict()
+    plain.load_state_dict(full)
+    out["forward_matches_full"] = torch.allclose(plain(xb), after, atol=1e-6)
+    return out
+
+
+@pytest.mark.parametrize("strategy", STRATEGY_NAMES)
+def test_contract_semantics(strategy):
+    results = run_distributed(semantics_worker, 2, strategy)
+    total_main = sum(r["main_numel"] for r in results)
+    for r in results:
+        assert r["forward_equal"]
+        assert r["main_dtypes"] == {"torch.float32"}
+        assert r["all_leaf"]
+        assert r["ref_grad_nonzero"]
+        assert r["grad_err"] < 1e-6
+        assert r["zeroed"] and r["set_to_none_resets"] and r["zero_grad_buffer"]
+        assert r["forward_sees_update"] and r["forward_matches_full"]
+    if strategy == "no_shard":
+        assert all(r["main_numel"] == r["full_numel"] for r in results)
+    else:   # shards tile the model: together the ranks hold every element once
+        assert total_main == results[0]["full_numel"]

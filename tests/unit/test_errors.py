@@ -1,0 +1,94 @@
+"""Bad input gets an exception that names the argument, what was got and what is allowed."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+from megatron_fsdp_v2 import MixedPrecisionPolicy, fully_shard
+
+from .dist_utils import run_distributed
+from .models import Block, UnevenNet
+
+
+def test_unknown_strategy(single_rank_group):
+    with pytest.raises(ValueError, match=r"sharding_strategy must be one of \['no_shard', 'optim', "
+                                         r"'optim_grads', 'optim_grads_params'\], got 'zero4'"):
+        fully_shard(UnevenNet(), sharding_strategy="zero4")
+
+
+def test_unknown_allocator(single_rank_group):
+    with pytest.raises(ValueError, match=r"allocator must be one of .*got 'cuda_graphs'"):
+        fully_shard(UnevenNet(), sharding_strategy="optim", allocator="cuda_graphs")
+
+
+def test_unit_modules_must_be_module_classes(single_rank_group):
+    with pytest.raises(TypeError, match="unit_modules must contain nn.Module subclasses, got 'Block'"):
+        fully_shard(UnevenNet(), sharding_strategy="optim_grads_params", unit_modules=["Block"])
+    with pytest.raises(TypeError, match="unit_modules must contain nn.Module subclasses"):
+        fully_shard(UnevenNet(), sharding_strategy="optim_grads_params", unit_modules=[int])
+
+
+def test_unit_modules_matching_nothing_is_an_error(single_rank_group):
+    with pytest.raises(ValueError, match=r"unit_modules: no submodule of UnevenNet is an instance of \['GRU'\]"):
+        fully_shard(UnevenNet(), sharding_strategy="optim_grads_params", unit_modules=[nn.GRU])
+
+
+def test_parameters_on_two_devices(single_rank_group):
+    model = UnevenNet()
+    model.head.to("meta")
+    with pytest.raises(ValueError, match=r"module: all parameters must be on one device, got parameters on "
+                                         r"\['cpu', 'meta'\]"):
+        fully_shard(model, sharding_strategy="optim")
+
+
+def test_integer_parameters(single_rank_group):
+    model = UnevenNet()
+    model.count = nn.Parameter(torch.zeros(3, dtype=torch.int64), requires_grad=False)
+    with pytest.raises(TypeError, match=r"module: parameter 'count' has dtype torch.int64; only floating-point"):
+        fully_shard(model, sharding_strategy="optim")
+
+
+def test_wrapping_twice(single_rank_group):
+    model = fully_shard(UnevenNet(), sharding_strategy="optim")
+    with pytest.raises(ValueError, match="module: FullyShardedUnevenNet is already wrapped by fully_shard"):
+        fully_shard(model, sharding_strategy="optim")
+
+
+def test_bad_mixed_precision(single_rank_group):
+    with pytest.raises(TypeError, match="mixed_precision must be a MixedPrecisionPolicy or None, got dict"):
+        fully_shard(UnevenNet(), sharding_strategy="optim", mixed_precision={"param_dtype": torch.bfloat16})
+    with pytest.raises(ValueError, match=r"MixedPrecisionPolicy.main_params_dtype must be a floating torch.dtype, "
+                                         r"got torch.int32"):
+        MixedPrecisionPolicy(main_params_dtype=torch.int32)
+
+
+def test_not_a_module(single_rank_group):
+    with pytest.raises(TypeError, match="module must be a torch.nn.Module, got Tensor"):
+        fully_shard(torch.zeros(3), sharding_strategy="optim")
+
+
+def test_load_full_state_dict_names_bad_keys(single_rank_group):
+    model = fully_shard(UnevenNet(), sharding_strategy="optim_grads_params", unit_modules=[Block])
+    sd = model.full_state_dict()
+    sd.pop("head.weight")
+    sd["extra.weight"] = torch.zeros(2)
+    sd["proj.bias"] = torch.zeros(4)
+    with pytest.raises(ValueError, match=r"missing keys \['head.weight'\], unexpected keys \['extra.weight'\], "
+                                         r"mis-shaped keys \['proj.bias: expected \(13,\), got \(4,\)'\]"):
+        model.load_full_state_dict(sd)
+
+
+def _mismatch_worker(rank, world_size):
+    model = UnevenNet(width=13 if rank == 0 else 14)
+    try:
+        fully_shard(model, sharding_strategy="optim")
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def test_ranks_with_different_models_fail_fast_instead_of_hanging():
+    messages = run_distributed(_mismatch_worker, 2)
+    assert messages[0] == ("module: parameter names/shapes/dtypes differ between data-parallel ranks: rank 0 "
+                           "disagrees with ranks [1]. Every rank must build the same model before fully_shard.")
+    assert messages[1] is not None and "rank 1 disagrees with ranks [0]" in messages[1]

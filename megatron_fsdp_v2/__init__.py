@@ -4,6 +4,8 @@ Public names only; the Megatron adapter lives in ``megatron_fsdp_v2.megatron`` a
 demand, so the core runs with torch alone.
 """
 
+from .checkpoint import (SafeFileSystemReader, export_full_state_dict, load_checkpoint,
+                         load_optimizer_state_dict, optimizer_state_dict, save_checkpoint)
 from .fully_shard import FullyShardedModule, fully_shard
 from .mixed_precision import MixedPrecisionPolicy
 from .strategy import STRATEGIES, STRATEGY_NAMES, ShardingStrategy, get_strategy
@@ -13,7 +15,13 @@ __all__ = [
     "MixedPrecisionPolicy",
     "STRATEGIES",
     "STRATEGY_NAMES",
+    "SafeFileSystemReader",
     "ShardingStrategy",
+    "export_full_state_dict",
     "fully_shard",
     "get_strategy",
+    "load_checkpoint",
+    "load_optimizer_state_dict",
+    "optimizer_state_dict",
+    "save_checkpoint",
 ]

@@ -88,7 +88,8 @@ class Engine:
         self._grads_exposed = False
         self._reducing_this_backward = False
         self._synced_main_version = {id(g): g.main_version() for g in self.groups}
-        self._param_sync_pending = False
+        self.check_for_nan_in_grad = False
+        self._awaiting_backward: Optional[str] = None   # "no_sync" / "sync" after a grad-enabled forward
         self._handles: list = []
         self._main_param_ids = {id(m) for g in self.groups for m in g.main_params}
         self._register_hooks()
@@ -118,6 +119,12 @@ class Engine:
         return len(self._handles)
 
     def _root_pre_forward(self, module, args) -> None:
+        if self._awaiting_backward == "no_sync" and torch.is_grad_enabled() and self.state is not TrainingState.BACKWARD:
+            self._awaiting_backward = None
+            raise RuntimeError(
+                "forward called again before the backward of the previous forward, which ran inside no_sync(): "
+                "that micro-batch's gradients would be lost. Run backward on every micro-batch's output before "
+                "the next forward (evaluation forwards belong under torch.no_grad()).")
         self.state = TrainingState.FORWARD
         self.start_param_sync()
         root = self.units[0]
@@ -132,7 +139,8 @@ class Engine:
         root = self.units[0]
         if self.strategy.weights_sharded and self.state is not TrainingState.BACKWARD:
             root.reshard()
-        self._register_pre_backward(root, output)
+        if self._register_pre_backward(root, output) and self.state is not TrainingState.BACKWARD:
+            self._awaiting_backward = "sync" if self.sync_grads else "no_sync"
         for unit in self.units:       # a unit the forward skipped must not keep a refresh pending
             unit.wait_unshard()
         self.state = TrainingState.IDLE
@@ -167,14 +175,22 @@ class Engine:
         self._register_pre_backward(unit, output)
         return output
 
-    def _register_pre_backward(self, unit: Unit, output) -> None:
+    def _register_pre_backward(self, unit: Unit, output) -> bool:
         tensors = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not tensors:
-            return
+            return False
+        fired = [False]
         torch.autograd.graph.register_multi_grad_hook(
-            tensors, lambda grads, unit=unit: self._pre_backward(unit), mode="any")
+            tensors, lambda grads, unit=unit, fired=fired: self._pre_backward(unit, fired), mode="any")
+        return True
 
-    def _pre_backward(self, unit: Unit) -> None:
+    def _pre_backward(self, unit: Unit, fired: list) -> None:
+        if fired[0] and self.strategy.weights_sharded:
+            raise RuntimeError(
+                f"backward ran twice through one forward of unit {unit.fqn or '<root>'!r}: with "
+                "optim_grads_params (ZeRO-3) each forward's gradients are reduce-scattered and its weights "
+                "resharded after the first backward. Run the forward again before another backward.")
+        fired[0] = True
         self._on_backward_start()
         if not self.strategy.weights_sharded:
             return
@@ -188,6 +204,7 @@ class Engine:
         if self._final_callback_queued:
             return
         self.state = TrainingState.BACKWARD
+        self._awaiting_backward = None
         self._final_callback_queued = True
         self._reducing_this_backward = self.sync_grads or self.strategy.reduce_every_microbatch
         Variable._execution_engine.queue_callback(self._post_backward_final)
@@ -242,6 +259,53 @@ class Engine:
         for group in self.groups:
             group.attach_main_grads()
         self._grads_exposed = True
+        if self.check_for_nan_in_grad:
+            self._check_grads_finite()
+
+    def _check_grads_finite(self) -> None:
+        for group in self.groups:
+            for name, main in zip(group.param_names, group.main_params):
+                if main.grad is not None and main.grad.numel() and not bool(torch.isfinite(main.grad).all()):
+                    bad = "NaN" if bool(torch.isnan(main.grad).any()) else "Inf"
+                    raise RuntimeError(
+                        f"{bad} in the reduced gradient of parameter {name!r} on data-parallel rank "
+                        f"{self.comm.rank} (strategy {self.strategy.name}); check the loss and learning rate.")
+
+    def check_ready_for_optimizer_step(self) -> None:
+        """Called before an optimizer steps our main weights: its gradients must be final."""
+        if self.state is TrainingState.BACKWARD or any(g.reduce_pending for g in self.groups):
+            raise RuntimeError(
+                "optimizer.step() called while a gradient reduce is still pending; call "
+                "finish_grad_sync() (or let backward finish) before stepping.")
+        unreduced = [g.name for g in self.groups if g.has_unreduced_grads]
+        if unreduced:
+            raise RuntimeError(
+                f"optimizer.step() called with gradients accumulated inside no_sync() but never reduced "
+                f"(groups {unreduced}); run the last micro-batch's backward outside no_sync() or call "
+                "finish_grad_sync() first.")
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip main grads by the global norm over all ranks' shards (fp32, one scalar all-reduce)."""
+        norm_type = float(norm_type)
+        grads = [m.grad for g in self.groups for m in g.main_params if m.grad is not None and m.grad.numel()]
+        device = self.groups[0].device
+        if norm_type == float("inf"):
+            local = max((gr.detach().abs().max().float() for gr in grads), default=torch.zeros((), device=device))
+            total = local.clone().to(device)
+            if self.strategy.optim_sharded:
+                torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.MAX, group=self.comm.group)
+        else:
+            local = torch.zeros((), dtype=torch.float32, device=device)
+            for gr in grads:
+                local += gr.detach().float().norm(norm_type) ** norm_type
+            total = local
+            if self.strategy.optim_sharded:          # shards are disjoint: sum them; DDP grads are replicated
+                torch.distributed.all_reduce(total, group=self.comm.group)
+            total = total ** (1.0 / norm_type)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for gr in grads:
+            gr.detach().mul_(coef.to(gr.dtype))
+        return total
 
     # ------------------------------------------------------------------ Megatron-facing verbs
     def start_param_sync(self, force_sync: bool = False) -> None:

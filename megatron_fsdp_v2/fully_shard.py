@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .allocators import Allocator, make_allocator
+from .checkpoint import load_model_state_dict, model_state_dict
 from .comm import Communicator
 from .engine import Engine, Unit
 from .mixed_precision import MixedPrecisionPolicy, resolve_dtypes
@@ -73,6 +74,13 @@ class FullyShardedModule:
 
     def zero_grad_buffer(self) -> None:
         self._fsdp.zero_grad_buffer()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale gradients so their global norm over all ranks' shards is at most ``max_norm``.
+
+        Returns the norm before clipping: the value ``torch.nn.utils.clip_grad_norm_`` gives on the
+        unsharded DDP model, computed once in fp32."""
+        return self._fsdp.clip_grad_norm_(max_norm, norm_type)
 
     def comm_stats(self) -> dict:
         """Calls and bytes of each collective since the last ``reset_comm_stats()``."""
@@ -143,6 +151,25 @@ class FullyShardedModule:
                     buffers[key].copy_(value)
         self._fsdp.start_param_sync(force_sync=True)
 
+    # -- sharded state dict for torch.distributed.checkpoint (see checkpoint.py) ----------------
+    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
+        """Original names and shapes; each rank's values hold only its shard (``FlatRangeShard``
+        views of its main weights), so ``dcp.save(model.state_dict(), checkpoint_id=path)`` writes
+        shards and ``dcp.load`` fills them in place, at any dp size and strategy."""
+        if args:
+            raise TypeError(f"state_dict takes destination, prefix and keep_vars by keyword only, got {len(args)} "
+                            f"positional argument(s).")
+        values = model_state_dict(self, prefix=prefix, keep_vars=keep_vars)
+        if destination is None:
+            return values
+        destination.update(values)
+        return destination
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Load this model's own state dict after ``dcp.load`` (or full tensors, e.g. an export);
+        ``ValueError`` names missing, unexpected and mis-shaped keys."""
+        return load_model_state_dict(self, state_dict, strict=strict, assign=assign)
+
     def _fsdp_buffers(self):
         for name, buffer in nn.Module.named_buffers(self):
             owner_name, _, leaf = name.rpartition(".")
@@ -154,6 +181,9 @@ class FullyShardedModule:
 def _check_process_group(process_group) -> None:
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("fully_shard needs torch.distributed initialised (init_process_group) first.")
+    if process_group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(f"process_group: this process (global rank {dist.get_rank()}) is not a member of the "
+                         "given group; pass a group containing every data-parallel rank that calls fully_shard.")
     if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
         raise TypeError(f"process_group must be a torch.distributed.ProcessGroup or None, got {type(process_group).__name__}.")
     size = dist.get_world_size(process_group)
@@ -202,6 +232,7 @@ def fully_shard(
     unit_modules: Optional[Sequence[type]] = None,
     mixed_precision: Optional[MixedPrecisionPolicy] = None,
     allocator: Union[str, Allocator] = "storage_freeing",
+    check_for_nan_in_grad: bool = False,
 ) -> nn.Module:
     """Shard ``module`` over ``process_group`` with a Megatron sharding strategy; returns it.
 
@@ -213,6 +244,8 @@ def fully_shard(
             gradient-reduction granularity); the rest of the model is the root unit.
         mixed_precision: dtypes of compute weights, main weights, grads and grad collectives.
         allocator: ``"storage_freeing"`` or ``"trace_pool"`` (or an ``Allocator``) for temporaries.
+        check_for_nan_in_grad: after each reduce, raise naming the first parameter whose reduced
+            gradient holds NaN/Inf (one device-to-host sync per step).
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}.")
@@ -262,5 +295,6 @@ def fully_shard(
     module._fsdp_main_params = main_params
     module._fsdp_name_order = name_order
     module._fsdp = Engine(module, units, strategy, alloc, comm)
+    module._fsdp.check_for_nan_in_grad = bool(check_for_nan_in_grad)
     comm.stats.reset()
     return module

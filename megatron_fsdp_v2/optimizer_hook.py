@@ -1,4 +1,4 @@
-"""Start the weight refresh as soon as an optimizer has stepped on our main weights.
+"""Check before, and start the weight refresh after, an optimizer step on our main weights.
 
 ZeRO-1/2 keep replicated compute weights that must be rebuilt (one all-gather per group) after
 every optimizer step. Users call an unmodified ``torch.optim`` optimizer, so we learn about the
@@ -14,24 +14,33 @@ from __future__ import annotations
 
 import weakref
 
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 _ENGINES: "weakref.WeakSet" = weakref.WeakSet()
 _HANDLE = None
 
 
-def _after_optimizer_step(optimizer, args, kwargs) -> None:
+def _engines_of(optimizer) -> list:
     if not _ENGINES:
-        return
+        return []
     stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    for engine in list(_ENGINES):
-        if engine.owns_any(stepped):
-            engine.start_param_sync()
+    return [engine for engine in list(_ENGINES) if engine.owns_any(stepped)]
+
+
+def _before_optimizer_step(optimizer, args, kwargs) -> None:
+    for engine in _engines_of(optimizer):
+        engine.check_ready_for_optimizer_step()
+
+
+def _after_optimizer_step(optimizer, args, kwargs) -> None:
+    for engine in _engines_of(optimizer):
+        engine.start_param_sync()
 
 
 def watch_optimizer_steps(engine) -> None:
     """Issue ``engine.start_param_sync()`` after every optimizer step touching its main weights."""
     global _HANDLE
     if _HANDLE is None:
-        _HANDLE = register_optimizer_step_post_hook(_after_optimizer_step)
+        _HANDLE = (register_optimizer_step_pre_hook(_before_optimizer_step),
+                   register_optimizer_step_post_hook(_after_optimizer_step))
     _ENGINES.add(engine)

@@ -1,0 +1,560 @@
+"""Distributed checkpoints: sharded state dicts for torch.distributed.checkpoint (DCP).
+
+[Note: the checkpoint format]
+Keys are the original module's names and values keep the original shapes, so a checkpoint reads
+like a plain model's. A rank's main-weight shard of a parameter is a contiguous range of the
+parameter's row-major flattening that need not start or end on a row (layout.py never pads rows),
+so neither ``DTensor(Shard(0))`` (torch.chunk-sized pieces) nor one rectangle per rank describes
+it. ``FlatRangeShard`` does: it cuts the range into at most ``2 * ndim - 1`` boxes and declares
+each box to DCP as one chunk of the full tensor (DCP's ``_Checkpointable`` protocol)::
+
+    param (3, 5), this rank owns flat [3, 12):   row 0: . . . # #   box offsets (0, 3) sizes (1, 2)
+                                                 row 1: # # # # #   box offsets (1, 0) sizes (1, 5)
+                                                 row 2: # # . . .   box offsets (2, 0) sizes (1, 2)
+
+Each rank writes only its boxes; nobody gathers. A load at another dp size or strategy declares
+other boxes and DCP reads the overlapping parts of the saved ones (resharding). Replicated values
+(no_shard weights, buffers, Adam's ``step``, hyperparameters) are plain tensors that DCP writes once.
+
+Optimizer keys: ``state.<param name>.<state key>`` (per-element state is sharded like the param)
+and ``param_groups.<i>.<hyperparameter>`` (numbers, bools, tuples and tensors, stored as tensors).
+Nothing is pickled on save, and our loads read DCP's pickled ``.metadata`` with an allowlist
+unpickler (``SafeFileSystemReader``) and refuse pickled values, so a checkpoint cannot run code.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import pickle
+import shutil
+from collections import OrderedDict
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta,
+                                                   TensorProperties, TensorStorageMetadata)
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.nn.modules.module import _IncompatibleKeys
+
+__all__ = ["FlatRangeShard", "SafeFileSystemReader", "export_full_state_dict", "flat_range_boxes",
+           "load_checkpoint", "load_optimizer_state_dict", "optimizer_state_dict", "save_checkpoint"]
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]   # (offsets, sizes) inside the full tensor
+
+
+def flat_range_boxes(shape: tuple[int, ...], start: int, end: int) -> list[Box]:
+    """The boxes, in order, that tile elements ``[start, end)`` of a row-major tensor of ``shape``:
+    a partial first row, whole rows, a partial last row, each partial row split the same way."""
+    if start >= end:
+        return []
+    if len(shape) <= 1:
+        return [((start,), (end - start,))] if shape else [((), ())]
+    inner = math.prod(shape[1:])
+
+    def within_row(row: int, lo: int, hi: int) -> list[Box]:
+        return [((row, *o), (1, *s)) for o, s in flat_range_boxes(shape[1:], lo, hi)]
+
+    boxes: list[Box] = []
+    if start % inner:
+        row = start // inner
+        stop = min(end, (row + 1) * inner)
+        boxes += within_row(row, start - row * inner, stop - row * inner)
+        start = stop
+    if end - start >= inner:
+        first, last = start // inner, end // inner
+        boxes.append(((first,) + (0,) * (len(shape) - 1), (last - first, *shape[1:])))
+        start = last * inner
+    if start < end:
+        boxes += within_row(start // inner, 0, end - start)
+    return boxes
+
+
+class FlatRangeShard(torch.Tensor):
+    """A tensor of the full ``shape`` of which this rank holds flattened elements
+    ``[flat_start, flat_start + local_flat.numel())`` as the 1-D ``local_flat`` (usually a view of
+    the main weights or of optimizer state, so ``dcp.load`` fills them in place). It exists to be
+    checkpointed: detach/clone/to act on ``local_flat``; any other op raises."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, shape, local_flat: torch.Tensor, flat_start: int):
+        return torch.Tensor._make_wrapper_subclass(cls, tuple(shape), dtype=local_flat.dtype,
+                                                   device=local_flat.device, requires_grad=False)
+
+    def __init__(self, shape, local_flat: torch.Tensor, flat_start: int) -> None:
+        if local_flat.dim() != 1:
+            raise ValueError(f"local_flat must be 1-D, got shape {tuple(local_flat.shape)}.")
+        self.local_flat = local_flat
+        self.flat_start = flat_start
+        self.flat_end = flat_start + local_flat.numel()
+        self.boxes = flat_range_boxes(tuple(shape), flat_start, self.flat_end)
+
+    def _pieces(self):
+        position = 0
+        for offsets, sizes in self.boxes:
+            numel = math.prod(sizes)
+            yield torch.Size(offsets), torch.Size(sizes), self.local_flat[position:position + numel].view(sizes)
+            position += numel
+
+    # DCP's _Checkpointable protocol: what this rank writes, which chunks it reads, where they live.
+    def __create_write_items__(self, fqn: str, obj) -> list[WriteItem]:
+        properties = TensorProperties(dtype=self.dtype)
+        return [WriteItem(index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(ChunkStorageMetadata(offsets, sizes), properties, self.shape))
+                for offsets, sizes, _ in self._pieces()]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(offsets, sizes) for offsets, sizes, _ in self._pieces()]
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        for offsets, _, piece in self._pieces():
+            if offsets == index.offset:
+                return piece
+        raise ValueError(f"{index.fqn}: this rank holds no chunk at offset {index.offset}; its boxes are {self.boxes}.")
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func in _LOCAL_OPS:
+            self = args[0]
+            return FlatRangeShard(self.shape, func(self.local_flat, *args[1:], **(kwargs or {})), self.flat_start)
+        raise TypeError(f"FlatRangeShard (one rank's range of a sharded tensor, for checkpoints) does not support "
+                        f"{func}; use .local_flat, or model.full_state_dict() for full tensors.")
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        return (f"FlatRangeShard(shape={tuple(self.shape)}, dtype={self.dtype}, "
+                f"flat range [{self.flat_start}, {self.flat_end}))")
+
+
+_LOCAL_OPS = {torch.ops.aten.detach.default, torch.ops.aten.alias.default, torch.ops.aten.clone.default,
+              torch.ops.aten._to_copy.default}
+
+
+# ---------------------------------------------------------------- shards <-> state-dict values
+def _check_model(model) -> None:
+    if not hasattr(model, "_fsdp") or not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a module wrapped by fully_shard, got {type(model).__name__}.")
+
+
+def _owned_range(group, index: int) -> tuple[int, int]:
+    """Which flattened elements of parameter ``index`` this rank keeps in its main weights."""
+    if group.strategy.optim_sharded:
+        piece = group.layout.shard_slice(index, group.comm.rank)
+        return piece.param_start, piece.param_end
+    return 0, group.layout.numels[index]
+
+
+def _to_value(group, index: int, local: torch.Tensor) -> torch.Tensor:
+    """A tensor laid out like ``group.main_params[index]`` -> the state-dict value DCP sees."""
+    shape = tuple(group.shapes[index])
+    if not group.strategy.optim_sharded:
+        return local
+    if math.prod(shape) == 0:
+        return local.new_zeros(shape)
+    return FlatRangeShard(shape, local, _owned_range(group, index)[0])
+
+
+def _to_local(group, index: int, value: torch.Tensor, key: str) -> torch.Tensor:
+    """A state-dict value (ours, or a full tensor) -> this rank's part, laid out like the main param."""
+    start, end = _owned_range(group, index)
+    if isinstance(value, FlatRangeShard):
+        if (value.flat_start, value.flat_end) != (start, end):
+            raise ValueError(f"{key}: holds flattened elements [{value.flat_start}, {value.flat_end}) but this rank "
+                             f"owns [{start}, {end}); dcp.load into this model's own state dict instead.")
+        flat = value.local_flat
+    else:
+        flat = value.detach().reshape(-1)[start:end]
+    return flat.view(group.shapes[index]) if not group.strategy.optim_sharded else flat
+
+
+def _each_param(model):
+    for group in model._fsdp.groups:
+        for index, names in enumerate(group.all_names):
+            yield group, index, names
+
+
+def _describe(value) -> object:
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+
+
+def _raise_if_mismatched(what: str, expected: dict, got: dict, aliases: dict, strict: bool = True) -> list:
+    """Compare {key: shape}; ``aliases`` maps a tied name to all its names. Returns the missing keys."""
+    missing = [k for k in expected if k not in got and not any(a in got for a in aliases.get(k, ()))]
+    unexpected = [k for k in got if k not in expected]
+    misshaped = [f"{k}: expected {expected[k]}, got {got[k]}" for k in got if k in expected and got[k] != expected[k]]
+    if misshaped or (strict and (missing or unexpected)):
+        def show(keys):
+            return str(keys[:20]) + (f" and {len(keys) - 20} more" if len(keys) > 20 else "")
+        raise ValueError(f"{what} does not match the model: missing keys {show(missing)}, "
+                         f"unexpected keys {show(unexpected)}, mis-shaped keys {show(misshaped)}.")
+    return missing
+
+
+# ---------------------------------------------------------------- model
+def model_state_dict(model, prefix: str = "", keep_vars: bool = False) -> "OrderedDict[str, torch.Tensor]":
+    """``model.state_dict()``: every parameter (all tied names) and persistent buffer under its
+    original name and shape, in main-weight precision; sharded values are ``FlatRangeShard`` views
+    of this rank's main weights. ``keep_vars`` returns replicated parameters undetached."""
+    _check_model(model)
+    values = {}
+    for group, index, names in _each_param(model):
+        main = group.main_params[index]
+        value = _to_value(group, index, main if keep_vars and not group.strategy.optim_sharded else main.detach())
+        for name in names:
+            values[name] = value
+    for name, buffer in model._fsdp_buffers():
+        values[name] = buffer if keep_vars else buffer.detach()
+    order = model._fsdp_name_order
+    return OrderedDict((prefix + k, v) for k, v in sorted(values.items(), key=lambda kv: order.get(kv[0], 1 << 30)))
+
+
+def _model_shapes(model) -> tuple[dict, dict]:
+    shapes, aliases = {}, {}
+    for group, index, names in _each_param(model):
+        for name in names:
+            shapes[name] = tuple(group.shapes[index])
+            aliases[name] = names
+    for name, buffer in model._fsdp_buffers():
+        shapes[name] = tuple(buffer.shape)
+    return shapes, aliases
+
+
+def load_model_state_dict(model, state_dict: dict, strict: bool = True, assign: bool = False) -> _IncompatibleKeys:
+    """``model.load_state_dict()``: values may be this model's own (filled by ``dcp.load``) or full
+    tensors (``torch.load`` of an export); each rank copies its part into its main weights, then the
+    compute weights are refreshed."""
+    _check_model(model)
+    if assign:
+        raise ValueError("load_state_dict: assign=True is not supported (main weights are views of flat buffers), "
+                         "got assign=True; use the default assign=False.")
+    shapes, aliases = _model_shapes(model)
+    got = {k: _describe(v) for k, v in state_dict.items()}
+    missing = _raise_if_mismatched("load_state_dict: state_dict", shapes, got, aliases, strict)
+    params = {name: (group, index) for group, index, names in _each_param(model) for name in names}
+    buffers = dict(model._fsdp_buffers())
+    with torch.no_grad():
+        for key, value in state_dict.items():
+            if key in params:
+                group, index = params[key]
+                group.main_params[index].copy_(_to_local(group, index, value, key))
+            elif key in buffers:
+                buffers[key].copy_(value)
+    model._fsdp.start_param_sync(force_sync=True)
+    return _IncompatibleKeys(missing, [k for k in state_dict if k not in shapes])
+
+
+# ---------------------------------------------------------------- optimizer
+def _optimizer_params(model, optimizer) -> list:
+    """(position in optimizer.state_dict(), param, name, hyperparameters, group, index) per param."""
+    _check_model(model)
+    where = {id(m): (g, i) for g in model._fsdp.groups for i, m in enumerate(g.main_params)}
+    name_of = {id(m): n for n, m in model._fsdp_main_params.items()}
+    out, foreign = [], 0
+    for hparams in optimizer.param_groups:
+        for p in hparams["params"]:
+            if id(p) in where:
+                out.append((len(out) + foreign, p, name_of[id(p)], hparams, *where[id(p)]))
+            else:
+                foreign += 1
+    if foreign:
+        raise ValueError(f"optimizer: {foreign} of its parameters are not main weights of this model; build the "
+                         f"optimizer from model.parameters() after fully_shard.")
+    return out
+
+
+def _is_per_element(key: str, shape, param_shape) -> bool:
+    """Per-element state (Adam moments, momentum) is sharded like its parameter; ``step`` (named as
+    torch.optim itself special-cases it) and other scalars are replicated."""
+    return key != "step" and tuple(shape) == tuple(param_shape)
+
+
+def _state_value(group, index, main, name: str, key: str, local) -> torch.Tensor:
+    if not isinstance(local, torch.Tensor):
+        raise TypeError(f"optimizer state {name}.{key}: only tensors can be checkpointed, got {type(local).__name__}.")
+    if "." in key:
+        raise ValueError(f"optimizer state {name}.{key}: state keys must not contain '.', got {key!r}.")
+    if _is_per_element(key, local.shape, main.shape):
+        return _to_value(group, index, local)
+    if group.strategy.optim_sharded and local.dim() > 0:
+        raise ValueError(f"optimizer state {name}.{key} has shape {tuple(local.shape)}, neither the parameter's "
+                         f"(sharded) shape {tuple(main.shape)} nor a scalar; it cannot be sharded.")
+    return local
+
+
+def _fresh_state(optimizer, hparams: dict, p) -> dict:
+    """The state torch.optim creates at the first step, built without stepping (LESSONS.md: a warm-up
+    step advances Adam's step counter). Only for optimizers whose state we know."""
+    if not p.requires_grad:
+        return {}
+    if isinstance(optimizer, torch.optim.SGD):
+        return {"momentum_buffer": torch.zeros_like(p)} if hparams.get("momentum", 0) else {}
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        on_device = hparams.get("capturable") or hparams.get("fused")
+        state = {"step": torch.zeros((), dtype=torch.float32, device=p.device if on_device else "cpu"),
+                 "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+        if hparams.get("amsgrad"):
+            state["max_exp_avg_sq"] = torch.zeros_like(p)
+        return state
+    raise ValueError(f"optimizer_state_dict: {type(optimizer).__name__} has no state yet and its state layout is "
+                     f"unknown (known: Adam, AdamW, SGD); use load_checkpoint(), which reads it from the checkpoint.")
+
+
+def _encode_hparam(value) -> Optional[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, bool):
+        return torch.tensor(value)
+    if isinstance(value, (int, float)):
+        return torch.tensor(value, dtype=torch.int64 if isinstance(value, int) else torch.float64)
+    if isinstance(value, (tuple, list)) and value and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                          for v in value):
+        return torch.tensor([float(v) for v in value], dtype=torch.float64)
+    return None   # None, strings, ...: configuration, not training state; not saved
+
+
+def _decode_hparam(tensor: torch.Tensor, current):
+    """Back to the type the live optimizer uses for this hyperparameter."""
+    if isinstance(current, torch.Tensor):
+        return tensor.to(dtype=current.dtype, device=current.device)
+    if isinstance(current, (bool, int, float)):
+        return type(current)(tensor.item())
+    return type(current)(tensor.tolist())
+
+
+def optimizer_state_dict(model, optimizer) -> "OrderedDict[str, torch.Tensor]":
+    """The optimizer's state for DCP, under parameter names (see the note at the top)."""
+    sd: "OrderedDict[str, torch.Tensor]" = OrderedDict()
+    params = _optimizer_params(model, optimizer)
+    stateless = not any(optimizer.state.get(p) for _, p, *_ in params)
+    for _, p, name, hparams, group, index in params:
+        state = _fresh_state(optimizer, hparams, p) if stateless else optimizer.state.get(p, {})
+        for key, local in state.items():
+            if local is not None:
+                sd[f"state.{name}.{key}"] = _state_value(group, index, p, name, key, local)
+    for i, hparams in enumerate(optimizer.param_groups):
+        for key, value in hparams.items():
+            encoded = None if key == "params" else _encode_hparam(value)
+            if encoded is not None:
+                sd[f"param_groups.{i}.{key}"] = encoded
+    return sd
+
+
+def load_optimizer_state_dict(model, optimizer, state_dict: dict) -> None:
+    """Install a state dict of ``optimizer_state_dict``'s form (filled by ``dcp.load``) through
+    ``optimizer.load_state_dict``. Hyperparameters the optimizer does not have are ignored."""
+    params = {name: (pos, p, group, index) for pos, p, name, _, group, index in _optimizer_params(model, optimizer)}
+    packed = optimizer.state_dict()
+    groups, state, unexpected, misshaped = packed["param_groups"], {}, [], []
+    for key, value in state_dict.items():
+        kind, _, rest = key.partition(".")
+        if kind == "state" and "." in rest and rest.rsplit(".", 1)[0] in params:
+            name, sub = rest.rsplit(".", 1)
+            pos, p, group, index = params[name]
+            if not isinstance(value, torch.Tensor):
+                misshaped.append(f"{key}: expected a tensor, got {type(value).__name__}")
+            elif _is_per_element(sub, value.shape, group.shapes[index]):
+                local = _to_local(group, index, value, key)
+                state.setdefault(pos, {})[sub] = local if isinstance(value, FlatRangeShard) else local.clone()
+            elif group.strategy.optim_sharded and value.dim() > 0:
+                misshaped.append(f"{key}: expected {tuple(group.shapes[index])} or a scalar, got {tuple(value.shape)}")
+            else:
+                state.setdefault(pos, {})[sub] = value
+        elif kind == "param_groups" and rest.partition(".")[0].isdigit() and int(rest.partition(".")[0]) < len(groups):
+            i, _, hkey = rest.partition(".")
+            if hkey in groups[int(i)] and hkey != "params":
+                groups[int(i)][hkey] = _decode_hparam(value, groups[int(i)][hkey])
+        else:
+            unexpected.append(key)
+    if unexpected or misshaped:
+        raise ValueError(f"load_optimizer_state_dict: state_dict does not match the optimizer: unexpected keys "
+                         f"{unexpected[:20]}, mis-shaped keys {misshaped[:20]}.")
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def _optimizer_targets(model, optimizer, metadata: dict, prefix: str) -> "OrderedDict[str, torch.Tensor]":
+    """Tensors to ``dcp.load`` the checkpoint's optimizer entries into, shaped from its metadata, so
+    any optimizer (and state saved before some parameters had any) loads; existing state is reused."""
+    params = {name: (p, hparams, group, index) for _, p, name, hparams, group, index in _optimizer_params(model, optimizer)}
+    targets: "OrderedDict[str, torch.Tensor]" = OrderedDict()
+    unexpected = []
+    for key, md in metadata.items():
+        rest = key[len(prefix):]
+        if rest.startswith("state.") and "." in rest[6:] and rest[6:].rsplit(".", 1)[0] in params:
+            name, sub = rest[6:].rsplit(".", 1)
+            p, _, group, index = params[name]
+            existing = optimizer.state.get(p, {}).get(sub)
+            if _is_per_element(sub, md.size, group.shapes[index]):
+                fits = isinstance(existing, torch.Tensor) and existing.shape == p.shape
+                local = existing if fits else torch.zeros_like(p, dtype=md.properties.dtype)
+            else:
+                fits = isinstance(existing, torch.Tensor) and existing.shape == md.size
+                local = existing if fits else torch.zeros(md.size, dtype=md.properties.dtype)
+            targets[key] = _state_value(group, index, p, name, sub, local)
+        elif rest.startswith("param_groups."):
+            i, _, hkey = rest[13:].partition(".")
+            if not (i.isdigit() and int(i) < len(optimizer.param_groups)):
+                unexpected.append(key)
+            elif hkey != "params" and _encode_hparam(optimizer.param_groups[int(i)].get(hkey)) is not None:
+                targets[key] = _encode_hparam(optimizer.param_groups[int(i)][hkey])
+        elif key.startswith(prefix):
+            unexpected.append(key)
+    if unexpected:
+        raise ValueError(f"checkpoint optimizer state does not match the optimizer: unexpected keys {unexpected[:20]} "
+                         f"(state of parameters the model lacks, or more param_groups than {len(optimizer.param_groups)}).")
+    return targets
+
+
+# ---------------------------------------------------------------- safe reading
+_ALLOWED_GLOBALS = {("torch.distributed.checkpoint.metadata", name) for name in (
+    "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+    "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+    ("torch.serialization", "_get_layout"), ("collections", "OrderedDict")} | {
+    (module, cls) for module in ("pathlib", "pathlib._local")
+    for cls in ("Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if (module, name) in _ALLOWED_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}; only DCP metadata classes, "
+                                     f"torch.Size, torch dtypes and paths are allowed, so it is not unpickled.")
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """``FileSystemReader`` whose ``.metadata`` is unpickled through an allowlist of DCP's metadata
+    types: ``dcp.load(sd, storage_reader=SafeFileSystemReader(path))`` cannot run code from a file."""
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as stream:
+            metadata = _MetadataUnpickler(stream).load()
+        if not isinstance(metadata, Metadata):
+            raise ValueError(f"checkpoint metadata must be a DCP Metadata, got {type(metadata).__name__}.")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _TensorsOnlyLoadPlanner(DefaultLoadPlanner):
+    """DCP unpickles non-tensor values with ``torch.load(weights_only=False)``; we never read any."""
+
+    def load_bytes(self, read_item, value) -> None:
+        raise ValueError(f"checkpoint stores {read_item.dest_index.fqn!r} as pickled bytes; only tensors are loaded.")
+
+
+# ---------------------------------------------------------------- atomic save / load, export
+def _fsync_dir(path: str) -> None:
+    try:                           # make the renames durable; some filesystems cannot fsync a directory
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+def _checkpoint_dir(path: str) -> str:
+    """``path``, or ``path.old`` when a save died between its two renames (see save_checkpoint)."""
+    for candidate in (path, path + ".old"):
+        if os.path.isdir(candidate):
+            return candidate
+    raise FileNotFoundError(f"no checkpoint at {path!r} (nor {path + '.old'!r} from an interrupted save).")
+
+
+def save_checkpoint(path: "str | os.PathLike", model, optimizer=None) -> None:
+    """Save model (and optimizer) state under ``path`` atomically: every rank writes its shards into
+    ``path.tmp``; only when all succeeded does rank 0 move the old checkpoint to ``path.old``, rename
+    ``path.tmp`` to ``path`` and delete ``path.old``. A save that dies leaves the last good checkpoint
+    at ``path`` (or, between the renames, at ``path.old``, which loads and the next save restores)."""
+    _check_model(model)
+    path = os.fspath(path)
+    group = model._fsdp.comm.group
+    sd = OrderedDict((f"model.{k}", v) for k, v in model_state_dict(model).items())
+    if optimizer is not None:
+        sd.update((f"optimizer.{k}", v) for k, v in optimizer_state_dict(model, optimizer).items())
+    tmp, old = path + ".tmp", path + ".old"
+    leader = dist.get_rank(group) == 0
+    if leader:
+        if not os.path.exists(path) and os.path.isdir(old):
+            os.rename(old, path)
+        shutil.rmtree(tmp, ignore_errors=True)
+    dist.barrier(group=group)
+    try:
+        dcp.save(sd, storage_writer=FileSystemWriter(tmp), process_group=group)
+    except BaseException:
+        if leader:                 # DCP raised on every rank, after every rank stopped writing
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    dist.barrier(group=group)
+    if leader:
+        _fsync_dir(tmp)
+        if os.path.exists(path):
+            os.rename(path, old)
+        os.rename(tmp, path)
+        _fsync_dir(os.path.dirname(os.path.abspath(path)))
+        shutil.rmtree(old, ignore_errors=True)
+    dist.barrier(group=group)
+
+
+def load_checkpoint(path: "str | os.PathLike", model, optimizer=None) -> None:
+    """Load what ``save_checkpoint`` wrote, at any dp size and strategy. Before reading any tensor,
+    the checkpoint's keys and shapes are checked against the model (ValueError naming missing,
+    unexpected and mis-shaped keys)."""
+    _check_model(model)
+    reader = SafeFileSystemReader(_checkpoint_dir(os.fspath(path)))
+    metadata = reader.read_metadata().state_dict_metadata
+    model_md = {k[6:]: v for k, v in metadata.items() if k.startswith("model.")}
+    shapes, aliases = _model_shapes(model)
+    got = {k: tuple(md.size) if isinstance(md, TensorStorageMetadata) else "non-tensor bytes"
+           for k, md in model_md.items()}
+    _raise_if_mismatched(f"checkpoint {os.fspath(path)!r}", shapes, got, aliases)
+    sd = OrderedDict((f"model.{k}", v) for k, v in model_state_dict(model).items() if k in model_md)
+    if optimizer is not None:
+        optim_md = {k: v for k, v in metadata.items() if k.startswith("optimizer.")}
+        if not optim_md:
+            raise ValueError(f"checkpoint {os.fspath(path)!r} has no optimizer state (no 'optimizer.*' keys); "
+                             f"pass optimizer=None to load the model only.")
+        bytes_keys = [k for k, md in optim_md.items() if not isinstance(md, TensorStorageMetadata)]
+        if bytes_keys:
+            raise ValueError(f"checkpoint optimizer entries {bytes_keys[:20]} are pickled bytes, not tensors.")
+        sd.update(_optimizer_targets(model, optimizer, optim_md, "optimizer."))
+    dcp.load(sd, storage_reader=reader, planner=_TensorsOnlyLoadPlanner(), process_group=model._fsdp.comm.group)
+    model.load_state_dict(OrderedDict((k[6:], v) for k, v in sd.items() if k.startswith("model.")), strict=False)
+    if optimizer is not None:
+        load_optimizer_state_dict(model, optimizer,
+                                  OrderedDict((k[10:], v) for k, v in sd.items() if k.startswith("optimizer.")))
+
+
+def export_full_state_dict(model, path: "str | os.PathLike", rank: int = 0) -> None:
+    """Write ``{name: full tensor}`` (main-weight precision, all tied names, persistent buffers) to
+    one ``torch.save`` file from ``rank``, for export or inference; ``torch.load(weights_only=True)``
+    reads it. Gathers one group at a time; other ranks drop each gathered group at once."""
+    _check_model(model)
+    comm = model._fsdp.comm
+    if not isinstance(rank, int) or not 0 <= rank < comm.size:
+        raise ValueError(f"rank must be a data-parallel rank in [0, {comm.size}), got {rank!r}.")
+    writer = comm.rank == rank
+    full: dict = {}
+    for group in model._fsdp.groups:
+        full_main = group.gather_full_main()
+        if writer:
+            for index, names in enumerate(group.all_names):
+                value = group.full_param(full_main, index).clone()
+                full.update((name, value) for name in names)
+        del full_main
+    if writer:
+        full.update((name, buffer.detach().clone()) for name, buffer in model._fsdp_buffers())
+        order = model._fsdp_name_order
+        tmp = os.fspath(path) + ".tmp"
+        torch.save(OrderedDict(sorted(full.items(), key=lambda kv: order.get(kv[0], 1 << 30))), tmp)
+        os.replace(tmp, path)
+    dist.barrier(group=comm.group)

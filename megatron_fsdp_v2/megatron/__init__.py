@@ -1,0 +1,39 @@
+"""Megatron-Core 0.19.2 integration of megatron_fsdp_v2: the only sub-package that imports megatron.
+
+* ``FullyShardedDataParallel`` (``adapter.py``): drop-in for
+  ``megatron.core.distributed.DistributedDataParallel`` whose sharding strategy comes from
+  ``ddp_config.data_parallel_sharding_strategy`` (``no_shard`` / ``optim`` / ``optim_grads`` /
+  ``optim_grads_params``).
+* ``get_optimizer`` (``optimizer.py``): ``megatron.core.optimizer.get_megatron_optimizer`` for
+  wrapped model chunks (weight decay by the parameters' original shapes, correct global grad norm).
+* ``python -m megatron_fsdp_v2.megatron.pretrain_gpt <megatron args>``: Megatron-LM GPT pretraining
+  (mock data) with our wrapper as the data-parallel class (GPU).
+* ``cpu_compat``: CPU patches for Megatron, for the demo and the tests only.
+
+Names are resolved lazily so ``megatron_fsdp_v2.megatron.cpu_compat`` can be imported on its own.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "FullyShardedDataParallel": "adapter",
+    "MainWeightsBuffer": "adapter",
+    "ORIGINAL_SHAPE_ATTR": "adapter",
+    "get_optimizer": "optimizer",
+    "with_original_shapes": "optimizer",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        module = importlib.import_module(f"{__name__}.{_EXPORTS[name]}")
+        return getattr(module, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + list(_EXPORTS))

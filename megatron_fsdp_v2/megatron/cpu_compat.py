@@ -1,0 +1,338 @@
+"""CPU compatibility patches for Megatron-Core 0.19.2 -- FOR THE DEMO AND THE TESTS ONLY.
+
+Megatron-Core hard-codes CUDA in a handful of places that a tiny ``GPTModel`` trained on CPU
+(gloo, several real processes) runs through. ``patch_megatron_for_cpu()`` patches exactly those,
+only inside Megatron modules and only while the context manager is active:
+
+* never ``torch.cuda`` itself, and never anything in ``megatron_fsdp_v2`` (our engine and this
+  adapter must run unmodified; code of ours that hard-coded CUDA would still fail on CPU);
+* nothing here is imported by ``megatron_fsdp_v2.megatron.adapter`` / ``optimizer`` /
+  ``pretrain_gpt``: production (GPU) runs never see these patches.
+
+Users: ``megatron_fsdp_v2/demo.py`` (``make demo``) and the CPU tests (``tests/megatron_cpu.py``
+re-exports everything here). The patch list is in ``patch_megatron_for_cpu``'s docstring.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import types
+from typing import Any, Callable, List, Optional
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "patch_megatron_for_cpu",
+    "init_megatron_parallel_state",
+    "destroy_megatron_parallel_state",
+    "cpu_model_parallel_manual_seed",
+]
+
+
+def _is_cuda_device(device: Any) -> bool:
+    if device is None:
+        return False
+    if isinstance(device, int):  # torch.cuda.current_device() style
+        return True
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.split(":")[0] == "cuda"
+    return False
+
+
+class _NullStream:
+    """Stands in for a CUDA stream / event: every synchronisation is a no-op on CPU."""
+
+    def wait_event(self, *_a, **_k):
+        pass
+
+    def wait_stream(self, *_a, **_k):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def record_event(self, *_a, **_k):
+        return self
+
+    def query(self):
+        return True
+
+
+class _CpuCudaNamespace(types.SimpleNamespace):
+    """What ``torch.cuda`` looks like to the patched Megatron modules."""
+
+    def __getattr__(self, name):  # anything not overridden: the real torch.cuda
+        return getattr(torch.cuda, name)
+
+    @staticmethod
+    def current_device():
+        return "cpu"  # only ever used as a ``device=`` argument in the patched modules
+
+    @staticmethod
+    def current_stream(*_a, **_k):
+        return _NullStream()
+
+    @staticmethod
+    def stream(*_a, **_k):
+        return contextlib.nullcontext()
+
+    @staticmethod
+    def Stream(*_a, **_k):  # noqa: N802 (mirrors torch.cuda.Stream)
+        return _NullStream()
+
+    @staticmethod
+    def synchronize(*_a, **_k):
+        pass
+
+    @staticmethod
+    def empty_cache():
+        pass
+
+
+def _cpu_factory(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if _is_cuda_device(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+class _CpuTorchModule(types.ModuleType):
+    """Replaces the global name ``torch`` inside selected Megatron modules only.
+
+    Factory functions called with ``device="cuda"`` (or ``torch.cuda.current_device()``)
+    allocate on CPU, ``torch.cuda.current_stream()/stream()`` are no-ops; everything else is
+    the real ``torch``.
+    """
+
+    _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "rand", "randn")
+
+    def __init__(self):
+        super().__init__("torch")
+        self.cuda = _CpuCudaNamespace()
+        for name in self._FACTORIES:
+            setattr(self, name, _cpu_factory(getattr(torch, name)))
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+# Generator that plays the role of the (absent) CUDA default generator for Megatron's
+# CudaRNGStatesTracker.  Keeping it separate from the CPU default generator preserves the
+# tracker's "CPU RNG state must not change inside fork()" invariant.
+_FAKE_CUDA_GENERATOR = torch.Generator(device="cpu")
+
+
+def _cpu_get_cuda_rng_state(device="cuda", clone=False, graph_safe=False):
+    return _FAKE_CUDA_GENERATOR.get_state()
+
+
+def _cpu_set_cuda_rng_state(new_state, device=-1, graph_safe=False):
+    _FAKE_CUDA_GENERATOR.set_state(new_state)
+
+
+def _cpu_tracker_add(self, name, seed):
+    """CPU version of ``CudaRNGStatesTracker.add`` (random.py: uses torch.cuda.get_rng_state)."""
+    self._is_initialized = True
+    if seed in self.seeds_:
+        raise Exception("seed {} already exists".format(seed))
+    self.seeds_.add(seed)
+    if name in self.states_:
+        raise Exception("cuda rng state {} already exists".format(name))
+    self.states_[name] = torch.Generator(device="cpu").manual_seed(seed).get_state()
+
+
+def _cpu_global_memory_buffer_get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
+    """``GlobalMemoryBuffer.get_tensor`` (utils.py) allocating on CPU instead of CUDA."""
+    required_len = functools.reduce(lambda a, b: a * b, tensor_shape, 1)
+    buf = self.buffer.get((name, dtype), None)
+    if buf is None or buf.numel() < required_len:
+        buf = torch.empty(required_len, dtype=dtype, device="cpu", requires_grad=False)
+        self.buffer[(name, dtype)] = buf
+    return buf[0:required_len].view(*tensor_shape)
+
+
+def _cpu_local_multi_tensor_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """``utils.local_multi_tensor_l2_norm`` returning a CPU tensor (original: device="cuda")."""
+    l2 = [[torch.norm(t) for t in tensor_list] for tensor_list in tensor_lists]
+    l2_reduced = torch.norm(torch.tensor(l2))
+    return torch.tensor([float(l2_reduced)], dtype=torch.float), None
+
+
+def _make_cpu_clip_grad_by_total_norm_fp32(clip_grads_module):
+    """``clip_grads.clip_grad_by_total_norm_fp32`` without its CUDA-only type assertion.
+
+    The original asserts ``param.grad.type() == 'torch.cuda.FloatTensor'``; the CPU copy asserts
+    float32 instead and is otherwise identical (runs in clip_grads' namespace).
+    """
+    cg = clip_grads_module
+
+    def clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
+        grads = []
+        for param in parameters:
+            g = param.decoupled_grad if use_decoupled_grad else param.grad
+            if g is None:
+                continue
+            assert g.dtype in (torch.float32, torch.bfloat16) if use_decoupled_grad else (
+                g.dtype == torch.float32
+            ), g.dtype
+            grads.append(cg.to_local_if_dtensor(g).detach())
+        clip_coeff = max_norm / (total_norm + 1.0e-6)
+        dummy_overflow_buf = torch.zeros(1, dtype=torch.int)
+        if isinstance(clip_coeff, torch.Tensor):
+            clip_coeff.clamp_max_(1.0)
+            assert cg.multi_tensor_scale_tensor_impl is not None
+            cg.multi_tensor_applier(
+                cg.multi_tensor_scale_tensor_impl, dummy_overflow_buf, [grads, grads], clip_coeff
+            )
+        elif clip_coeff < 1.0:
+            cg.multi_tensor_applier(
+                cg.multi_tensor_scale_impl, dummy_overflow_buf, [grads, grads], clip_coeff
+            )
+
+    return clip_grad_by_total_norm_fp32
+
+
+class _Patcher:
+    def __init__(self):
+        self._undo: List[Callable[[], None]] = []
+
+    def setattr(self, obj, name, value):
+        missing = object()
+        old = obj.__dict__.get(name, missing) if hasattr(obj, "__dict__") else getattr(obj, name)
+
+        def undo():
+            if old is missing:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, old)
+
+        setattr(obj, name, value)
+        self._undo.append(undo)
+
+    def undo(self):
+        while self._undo:
+            self._undo.pop()()
+
+
+# Megatron modules whose global ``torch`` is replaced by ``_CpuTorchModule``, and why.
+_MODULES_WITH_CPU_TORCH = {
+    # forward_backward_no_pipelining: total_num_tokens = torch.zeros([], ..., device="cuda")
+    "megatron.core.pipeline_parallel.schedules": "total_num_tokens on cuda",
+    # _ParamAndGradBuffer: grad_data/param_data on torch.cuda.current_device();
+    # _ParamAndGradBucketGroup.start_grad_sync: torch.cuda.current_stream()
+    "megatron.core.distributed.param_and_grad_buffer": "Megatron DDP buffers",
+    # MixedPrecisionOptimizer/FP32Optimizer: found_inf, _dummy_overflow_buf, _scale on 'cuda'
+    "megatron.core.optimizer.optimizer": "Megatron optimizer scalars",
+    # get_grad_norm_fp32 / count_zeros_fp32: total_norm etc. on 'cuda'
+    "megatron.core.optimizer.clip_grads": "grad-norm accumulators",
+}
+
+
+@contextlib.contextmanager
+def patch_megatron_for_cpu():
+    """Context manager applying the minimal CPU patches to Megatron-Core 0.19.2.
+
+    Patches (all undone on exit):
+      1. ``megatron.core.utils.GlobalMemoryBuffer.get_tensor`` allocates on CPU
+         (DotProductAttention's baddbmm buffer uses ``torch.cuda.current_device()``).
+      2. ``megatron.core.tensor_parallel.random._get_cuda_rng_state`` / ``_set_cuda_rng_state``
+         and ``CudaRNGStatesTracker.add`` use a dedicated CPU ``torch.Generator`` standing in
+         for the CUDA default generator (``tracker.fork()`` is entered by attention and
+         embeddings even with dropout 0; ``model_parallel_cuda_manual_seed`` calls ``add``).
+      3. The global name ``torch`` inside ``pipeline_parallel.schedules`` (``total_num_tokens``),
+         ``distributed.param_and_grad_buffer`` (Megatron DDP grad buffers, streams),
+         ``optimizer.optimizer`` and ``optimizer.clip_grads`` (scalar tensors on 'cuda') becomes a
+         shim mapping ``device="cuda"`` factories and
+         ``torch.cuda.current_device()/current_stream()/stream()`` to CPU / no-ops.
+      4. ``clip_grad_by_total_norm_fp32`` (asserts ``grad.type() == 'torch.cuda.FloatTensor'``)
+         is replaced in ``clip_grads`` and ``optimizer.optimizer`` by a copy asserting float32;
+         ``clip_grads.l2_norm_impl`` (the no-TE/no-apex fallback allocates on 'cuda') by a CPU copy.
+      Building/running the model and the schedule needs 1, 2 and the ``schedules`` shim; the
+      other shims and 4 are for Megatron DDP and Megatron optimizers (``FP32Optimizer``,
+      ``ChainedOptimizer`` grad norm, clipping).  The shims live in Megatron module globals only,
+      so package code imported from those modules' functions would see them too.
+      Not covered: ``DistributedOptimizer`` on the non-FSDP path (``param.type()`` checks for
+      ``torch.cuda.*Tensor`` in distrib_optimizer.py) and pipeline-parallel p2p.
+
+    ``torch.cuda`` itself is never patched, so package code that hard-codes CUDA still fails.
+    """
+    import importlib
+
+    import megatron.core.tensor_parallel.random as mrandom
+    import megatron.core.utils as mutils
+
+    p = _Patcher()
+    try:
+        p.setattr(mutils.GlobalMemoryBuffer, "get_tensor", _cpu_global_memory_buffer_get_tensor)
+        p.setattr(mrandom, "_get_cuda_rng_state", _cpu_get_cuda_rng_state)
+        p.setattr(mrandom, "_set_cuda_rng_state", _cpu_set_cuda_rng_state)
+        p.setattr(mrandom.CudaRNGStatesTracker, "add", _cpu_tracker_add)
+        shim = _CpuTorchModule()
+        for modname in _MODULES_WITH_CPU_TORCH:
+            mod = importlib.import_module(modname)
+            p.setattr(mod, "torch", shim)
+        # Optimizer grad clipping (optimizer.py imported the function by name).
+        import megatron.core.optimizer.clip_grads as mclip
+        import megatron.core.optimizer.optimizer as mopt
+
+        cpu_clip = _make_cpu_clip_grad_by_total_norm_fp32(mclip)
+        p.setattr(mclip, "clip_grad_by_total_norm_fp32", cpu_clip)
+        p.setattr(mopt, "clip_grad_by_total_norm_fp32", cpu_clip)
+        if mclip.l2_norm_impl is mutils.local_multi_tensor_l2_norm:  # no TE / apex installed
+            p.setattr(mclip, "l2_norm_impl", _cpu_local_multi_tensor_l2_norm)
+        yield
+    finally:
+        p.undo()
+
+
+# ---------------------------------------------------------------------------------------------
+# Parallel state
+# ---------------------------------------------------------------------------------------------
+
+
+def cpu_model_parallel_manual_seed(seed: int) -> None:
+    """CPU replacement for ``tensor_parallel.model_parallel_cuda_manual_seed``.
+
+    Seeds the CPU default generator with ``seed`` and registers Megatron's RNG-tracker states
+    (``model_parallel_cuda_manual_seed`` itself works under ``patch_megatron_for_cpu`` too;
+    its ``torch.cuda.manual_seed`` is lazily queued and never executed without a GPU).
+    """
+    from megatron.core import tensor_parallel
+
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def init_megatron_parallel_state(world_size: Optional[int] = None, seed: int = 1234, **kwargs):
+    """Initialise Megatron's parallel_state on top of an existing gloo default group.
+
+    ``initialize_model_parallel(1, 1)`` works unchanged on gloo (DP group = all ranks).
+    Must be called inside ``patch_megatron_for_cpu()`` (the RNG seeding uses patch 2).
+    Extra kwargs go to ``initialize_model_parallel``.
+    """
+    from megatron.core import parallel_state as ps
+
+    assert dist.is_initialized(), "call torch.distributed.init_process_group('gloo') first"
+    if world_size is not None:
+        assert dist.get_world_size() == world_size
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    kwargs.setdefault("tensor_model_parallel_size", 1)
+    kwargs.setdefault("pipeline_model_parallel_size", 1)
+    ps.initialize_model_parallel(**kwargs)
+    cpu_model_parallel_manual_seed(seed)
+
+
+def destroy_megatron_parallel_state():
+    from megatron.core import parallel_state as ps
+
+    ps.destroy_model_parallel()
+
+

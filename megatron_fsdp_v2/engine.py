@@ -89,6 +89,7 @@ class Engine:
         self._reducing_this_backward = False
         self._synced_main_version = {id(g): g.main_version() for g in self.groups}
         self.check_for_nan_in_grad = False
+        self._main_weights_dirty = False
         self._awaiting_backward: Optional[str] = None   # "no_sync" / "sync" after a grad-enabled forward
         self._handles: list = []
         self._main_param_ids = {id(m) for g in self.groups for m in g.main_params}
@@ -308,13 +309,21 @@ class Engine:
         return total
 
     # ------------------------------------------------------------------ Megatron-facing verbs
+    def mark_main_weights_changed(self) -> None:
+        """The main weights are about to change (optimizer step, load): refresh at the next sync.
+
+        Version counters alone are not enough: fused optimizer kernels (``AdamW(fused=True)``)
+        update parameters in place without bumping them."""
+        self._main_weights_dirty = True
+
     def start_param_sync(self, force_sync: bool = False) -> None:
-        """Refresh replicated weights from main weights the optimizer changed (async)."""
+        """Refresh replicated weights from main weights that changed (async; ZeRO-3 gathers at use)."""
         if self.strategy.weights_sharded:
             return
+        dirty, self._main_weights_dirty = self._main_weights_dirty, False
         for group in self.groups:
             version = group.main_version()
-            if version != self._synced_main_version[id(group)]:
+            if dirty or version != self._synced_main_version[id(group)]:
                 group.refresh_weights_locally_or_gather(async_op=True)
                 self._synced_main_version[id(group)] = version
         if force_sync:

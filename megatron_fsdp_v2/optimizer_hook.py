@@ -30,6 +30,7 @@ def _engines_of(optimizer) -> list:
 def _before_optimizer_step(optimizer, args, kwargs) -> None:
     for engine in _engines_of(optimizer):
         engine.check_ready_for_optimizer_step()
+        engine.mark_main_weights_changed()
 
 
 def _after_optimizer_step(optimizer, args, kwargs) -> None:

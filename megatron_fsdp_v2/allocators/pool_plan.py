@@ -26,6 +26,13 @@ tried and the smaller pool kept:
   units) although at most R+B+C = 10 are ever live; start order stacks each lifetime on its
   live ancestors and needs exactly 10.
 
+[Note: Stable keys]
+With ``stable_keys=True`` every occurrence of a key gets the same offset: the key is placed once,
+avoiding every placed lifetime that overlaps any of its own lifetimes in time. The engine needs
+this for ZeRO-3 weights: autograd may save a *view* of a weight in forward (``weight.t()`` inside
+``linear``) and read it in backward, after the unit was resharded and all-gathered again. The view
+points at the forward's bytes, so the backward's buffer must sit at the same address.
+
 Any plan needs at least ``peak_aligned_bytes`` (the lifetimes live at the peak moment are
 pairwise disjoint) and first fit never needs more than the sum of all rounded sizes.
 """
@@ -144,11 +151,45 @@ def first_fit(lifetimes: Sequence[Lifetime], alignment: int) -> tuple[dict[SlotK
     return offsets, pool_bytes
 
 
-def plan_pool(trace: Sequence[TraceEvent], alignment: int = DEFAULT_ALIGNMENT) -> PoolPlan:
+def first_fit_stable(lifetimes: Sequence[Lifetime], alignment: int) -> tuple[dict[SlotKey, int], int]:
+    """First fit of whole keys (all their occurrences at one offset), largest key first."""
+    by_key: dict = {}
+    for life in lifetimes:
+        by_key.setdefault(life.slot[0], []).append(life)
+    order = sorted(by_key.values(), key=lambda lives: (-max(align_up(l.nbytes, alignment) for l in lives),
+                                                         min(l.start for l in lives)))
+    placed: list[tuple[Lifetime, int, int]] = []
+    offsets: dict[SlotKey, int] = {}
+    pool_bytes = 0
+    for lives in order:
+        size = max(align_up(l.nbytes, alignment) for l in lives)
+        if size == 0:
+            offsets.update({l.slot: 0 for l in lives})
+            continue
+        blockers = sorted((lo, hi) for other, lo, hi in placed if any(other.overlaps_in_time(l) for l in lives))
+        offset = 0
+        for lo, hi in blockers:
+            if offset + size <= lo:
+                break
+            offset = max(offset, hi)
+        for life in lives:
+            offsets[life.slot] = offset
+            placed.append((life, offset, offset + size))
+        pool_bytes = max(pool_bytes, offset + size)
+    return offsets, pool_bytes
+
+
+def plan_pool(trace: Sequence[TraceEvent], alignment: int = DEFAULT_ALIGNMENT,
+              stable_keys: bool = False) -> PoolPlan:
     """Plan one pool for ``trace``; an empty trace gives an empty pool (``pool_bytes == 0``)."""
     if not isinstance(alignment, int) or isinstance(alignment, bool) or alignment < 1:
         raise ValueError(f"pool plan: alignment must be a positive int, got {alignment!r}.")
     lifetimes = lifetimes_from_trace(trace)
+    if stable_keys:
+        offsets, pool_bytes = first_fit_stable(lifetimes, alignment)
+        return PoolPlan(offsets=offsets, nbytes={life.slot: life.nbytes for life in lifetimes},
+                        pool_bytes=pool_bytes, peak_live_bytes=peak_bytes(lifetimes),
+                        peak_aligned_bytes=peak_bytes(lifetimes, alignment), alignment=alignment)
     largest_first = sorted(lifetimes, key=lambda life: (-align_up(life.nbytes, alignment), life.start))
     start_order = sorted(lifetimes, key=lambda life: life.start)
     offsets, pool_bytes = first_fit(largest_first, alignment)

@@ -45,11 +45,12 @@ class TracePoolAllocator(Allocator):
     after the first plan).
     """
 
-    def __init__(self, alignment: int = DEFAULT_ALIGNMENT) -> None:
+    def __init__(self, alignment: int = DEFAULT_ALIGNMENT, stable_keys: bool = True) -> None:
         super().__init__()
         if not isinstance(alignment, int) or isinstance(alignment, bool) or alignment <= 0 or alignment % _VIEW_ALIGNMENT:
             raise ValueError(f"TracePoolAllocator: alignment must be a positive multiple of {_VIEW_ALIGNMENT} bytes, got {alignment!r}.")
         self.alignment = alignment
+        self.stable_keys = stable_keys   # one address per key: see [Note: Stable keys] in pool_plan.py
         self.retrace_count = 0
         self._plans: dict[torch.device, PoolPlan] | None = None
         self._pools: dict[torch.device, torch.Tensor] = {}
@@ -135,7 +136,7 @@ class TracePoolAllocator(Allocator):
         # Drop the old pools first so their memory can back the new ones (views handed out
         # earlier keep the old storage alive until they die; none are live now).
         self._pools.clear()
-        plans = {device: plan_pool(trace, self.alignment) for device, trace in self._traces.items()}
+        plans = {device: plan_pool(trace, self.alignment, self.stable_keys) for device, trace in self._traces.items()}
         self._plans = plans
         self._pools = {device: torch.empty(plan.pool_bytes, dtype=torch.uint8, device=device) for device, plan in plans.items()}
         self._needs_retrace = False

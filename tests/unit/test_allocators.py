@@ -326,3 +326,26 @@ def test_make_allocator_unknown_name_lists_choices():
     with pytest.raises(ValueError) as info:
         make_allocator("caching")
     assert str(info.value) == "allocator must be one of ['storage_freeing', 'trace_pool'], got 'caching'."
+
+
+def test_stable_keys_keep_one_offset_per_key_without_overlap():
+    from megatron_fsdp_v2.allocators.pool_plan import lifetimes_from_trace, plan_pool as plan
+    # ZeRO-3-like: each unit's weights live in forward and again in backward (reverse order)
+    trace = []
+    for u in range(4):
+        trace += [("alloc", f"w{u}", 1000)] + ([("free", f"w{u-1}")] if u else [])
+    trace += [("free", "w3")]
+    for u in reversed(range(4)):
+        trace += [("alloc", f"w{u}", 1000)] + ([("free", f"w{u+1}")] if u < 3 else [])
+    trace += [("free", "w0")]
+    p = plan(trace, 512, stable_keys=True)
+    for u in range(4):
+        assert p.offsets[(f"w{u}", 0)] == p.offsets[(f"w{u}", 1)]
+    lives = lifetimes_from_trace(trace)
+    for a in lives:
+        for b in lives:
+            if a is not b and a.overlaps_in_time(b):
+                lo_a, hi_a = p.offsets[a.slot], p.offsets[a.slot] + 1024
+                lo_b, hi_b = p.offsets[b.slot], p.offsets[b.slot] + 1024
+                assert hi_a <= lo_b or hi_b <= lo_a
+    assert p.pool_bytes <= 3 * 1024      # neighbours differ; three colours suffice for a chain

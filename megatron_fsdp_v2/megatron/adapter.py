@@ -1,0 +1,453 @@
+"""``FullyShardedDataParallel``: megatron_fsdp_v2 behind Megatron-Core's data-parallel wrapper API.
+
+Drop-in for ``megatron.core.distributed.DistributedDataParallel`` (0.19.2)::
+
+    model = FullyShardedDataParallel(config, ddp_config, gpt_model)   # strategy from ddp_config
+    config.no_sync_func = model.no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    optimizer = get_optimizer(OptimizerConfig(...), [model])          # see optimizer.py
+
+How Megatron's settings map onto ``fully_shard``:
+
+=================================================  ===============================================
+Megatron                                           megatron_fsdp_v2
+=================================================  ===============================================
+``ddp_config.data_parallel_sharding_strategy``     ``sharding_strategy`` (``no_shard``, ``optim``,
+                                                   ``optim_grads``, ``optim_grads_params``)
+``pg_collection.dp`` (or parallel_state's DP)      ``process_group``
+``fsdp_unit_modules`` (default: every              ``unit_modules``: all-gather / reshard and
+``TransformerLayer``; with ``disable_bucketing``   gradient-reduce granularity (what Megatron calls
+and no ZeRO-3: one root unit)                      buckets for the other strategies)
+``config.bf16`` / ``config.fp16``                  ``param_dtype`` (compute weights); main weights
+                                                   ``ddp_config.megatron_fsdp_main_params_dtype``
+                                                   (fp32), grads fp32
+``grad_reduce_in_fp32`` (else the param dtype),    ``grad_comm_dtype``
+``megatron_fsdp_grad_comm_dtype`` overrides
+``overlap_grad_reduce=False``                      grads of ``no_shard``/``optim`` accumulate
+                                                   locally and are reduced in ``finish_grad_sync``
+                                                   (Megatron installs ``no_sync`` only with overlap)
+``check_for_nan_in_grad``                          ``check_for_nan_in_grad``
+=================================================  ===============================================
+
+The class derives from Megatron's ``DistributedDataParallel`` (so ``training.py``'s
+``isinstance(model[0], (megatron_FSDP, DDP))`` gates, ``unwrap_model`` and the optimizer see a
+DDP wrapper) but never runs its buffer-building ``__init__``: it initialises
+``_BaseDataParallel`` and keeps Megatron's DDP bookkeeping lists (``buffers``, ``bucket_groups``,
+...) empty. Every member the training loop, ``finalize_model_grads``, the schedules and the
+optimizer call is overridden here.
+
+``named_parameters()`` yields the *optimizer-facing* main weights (this rank's fp32 shard: 1-D
+slices for the sharded strategies), named ``module.<original name>`` like Megatron's DDP, with
+the original parameter's Megatron attributes (``allreduce``, ``tensor_model_parallel``,
+``is_embedding_or_output_parameter``, ...) copied onto them and the original shape in
+``ORIGINAL_SHAPE_ATTR``. ``self.ddp_config`` is a copy of the given config with
+``use_megatron_fsdp=True`` so Megatron's optimizer takes its FSDP short-cuts (see optimizer.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from collections import OrderedDict
+from typing import List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed.data_parallel_base import _BaseDataParallel
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from ..fully_shard import fully_shard
+from ..mixed_precision import MixedPrecisionPolicy
+from ..strategy import STRATEGY_NAMES, get_strategy
+
+logger = logging.getLogger(__name__)
+
+#: Attribute set on every optimizer-facing main parameter: the ``torch.Size`` of the original
+#: parameter (the main parameter itself is a 1-D shard for the sharded strategies).
+ORIGINAL_SHAPE_ATTR = "megatron_fsdp_v2_original_shape"
+
+# Attributes of model parameters that are per-tensor state, not metadata: never copied.
+_NOT_COPIED = {"main_grad", "grad_added_to_main_grad", "main_param", "main_param_sharded"}
+
+
+def _default_unit_classes() -> List[type]:
+    """Megatron-FSDP's default ZeRO-3 units: transformer layers (MoE layers are subclasses)."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    classes: List[type] = [TransformerLayer]
+    try:  # needs mamba_ssm at import time on some installs
+        from megatron.core.ssm.mamba_layer import MambaLayer
+
+        classes.append(MambaLayer)
+    except Exception:  # noqa: BLE001 - optional
+        pass
+    return classes
+
+
+def _group_size(group) -> int:
+    if group is None:
+        return 1
+    if isinstance(group, (list, tuple)):
+        return max((_group_size(g) for g in group), default=1)
+    return dist.get_world_size(group)
+
+
+def _parallel_sizes(pg_collection) -> dict:
+    """Sizes of the model-parallel groups this wrapper cannot combine with (1 when absent)."""
+    names = {"tp": "tensor", "pp": "pipeline", "cp": "context", "ep": "expert", "expt_tp": "expert tensor"}
+    sizes = {}
+    if pg_collection is not None:
+        for attr in names:
+            sizes[attr] = _group_size(getattr(pg_collection, attr, None))
+        return sizes
+    from megatron.core import parallel_state as ps
+
+    getters = {
+        "tp": ps.get_tensor_model_parallel_world_size,
+        "pp": ps.get_pipeline_model_parallel_world_size,
+        "cp": ps.get_context_parallel_world_size,
+        "ep": ps.get_expert_model_parallel_world_size,
+        "expt_tp": ps.get_expert_tensor_parallel_world_size,
+    }
+    for attr, getter in getters.items():
+        try:
+            sizes[attr] = int(getter() or 1)
+        except (AssertionError, AttributeError, RuntimeError, TypeError):
+            sizes[attr] = 1
+    return sizes
+
+
+def _unsupported_settings(config: TransformerConfig, ddp_config: DistributedDataParallelConfig,
+                          module: nn.Module, sizes: dict) -> List[str]:
+    """Every setting this wrapper cannot honour, each naming the setting and its flag."""
+    problems = []
+
+    def check(bad: bool, text: str) -> None:
+        if bad:
+            problems.append(text)
+
+    for attr, flag, group in (
+        ("tensor_model_parallel_size", "--tensor-model-parallel-size", "tp"),
+        ("pipeline_model_parallel_size", "--pipeline-model-parallel-size", "pp"),
+        ("context_parallel_size", "--context-parallel-size", "cp"),
+        ("expert_model_parallel_size", "--expert-model-parallel-size", "ep"),
+        ("expert_tensor_parallel_size", "--expert-tensor-parallel-size", "expt_tp"),
+    ):
+        value = getattr(config, attr, 1) or 1
+        size = max(int(value), sizes.get(group, 1))
+        check(size > 1, f"{attr}={size} ({flag}): only data parallelism is supported; "
+                        f"tensor/pipeline/context/expert parallel sizes must be 1")
+    check(getattr(config, "virtual_pipeline_model_parallel_size", None) not in (None, 1),
+          f"virtual_pipeline_model_parallel_size={config.virtual_pipeline_model_parallel_size} "
+          "(--num-layers-per-virtual-pipeline-stage): pipeline parallelism is not supported")
+    check(getattr(config, "fp8", None) is not None,
+          f"fp8={config.fp8!r} (--fp8-format): FP8 compute weights are not supported")
+    check(getattr(config, "fp4", None) is not None,
+          f"fp4={getattr(config, 'fp4', None)!r} (--fp4-format): FP4 compute weights are not supported")
+    check(bool(getattr(config, "gradient_accumulation_fusion", False)),
+          "gradient_accumulation_fusion=True: the fused wgrad kernels write into param.main_grad, which "
+          "this wrapper does not provide; pass --no-gradient-accumulation-fusion")
+    check(getattr(config, "cuda_graph_impl", "none") not in (None, "none"),
+          f"cuda_graph_impl={getattr(config, 'cuda_graph_impl', None)!r} (--cuda-graph-impl): CUDA graphs "
+          "are not supported")
+    check(bool(getattr(config, "init_model_with_meta_device", False))
+          or any(p.is_meta for p in module.parameters()),
+          "init_model_with_meta_device / meta-device parameters (--init-model-with-meta-device): "
+          "materialise the model before wrapping it")
+    check(bool(ddp_config.fp8_param_gather), "fp8_param_gather=True (--fp8-param-gather) is not supported")
+    check(bool(getattr(ddp_config, "fp4_param_gather", False)),
+          "fp4_param_gather=True (--fp4-param-gather) is not supported")
+    check(bool(getattr(ddp_config, "reuse_grad_buf_for_mxfp8_param_ag", False)),
+          "reuse_grad_buf_for_mxfp8_param_ag=True (--reuse-grad-buf-for-mxfp8-param-ag) is not supported")
+    check(ddp_config.num_distributed_optimizer_instances != 1,
+          f"num_distributed_optimizer_instances={ddp_config.num_distributed_optimizer_instances} "
+          "(--num-distributed-optimizer-instances): only 1 is supported")
+    check(getattr(ddp_config, "outer_dp_sharding_strategy", "no_shard") != "no_shard",
+          f"outer_dp_sharding_strategy={ddp_config.outer_dp_sharding_strategy!r} "
+          "(--outer-dp-sharding-strategy): hybrid sharding (HSDP) is not supported")
+    check(bool(getattr(ddp_config, "nccl_ub", False)),
+          "nccl_ub=True (--use-nccl-ub): NCCL user-buffer registration is not supported")
+    check(bool(getattr(ddp_config, "megatron_fsdp_use_decoupled_grad", False)),
+          "megatron_fsdp_use_decoupled_grad=True: decoupled gradients are not supported")
+    return problems
+
+
+def _mixed_precision(config: TransformerConfig, ddp_config: DistributedDataParallelConfig) -> MixedPrecisionPolicy:
+    if config.bf16 and config.fp16:
+        raise ValueError("config: bf16 and fp16 are both set; choose one (--bf16 or --fp16).")
+    param_dtype = torch.bfloat16 if config.bf16 else torch.float16 if config.fp16 else None
+    main = getattr(ddp_config, "megatron_fsdp_main_params_dtype", None) or torch.float32
+    grads = getattr(ddp_config, "megatron_fsdp_main_grads_dtype", None) or torch.float32
+    comm = getattr(ddp_config, "megatron_fsdp_grad_comm_dtype", None)
+    if comm is None:
+        comm = torch.float32 if (ddp_config.grad_reduce_in_fp32 or param_dtype is None) else param_dtype
+    return MixedPrecisionPolicy(param_dtype=param_dtype, main_params_dtype=main, main_grads_dtype=grads,
+                                grad_comm_dtype=comm)
+
+
+class MainWeightsBuffer:
+    """What Megatron's optimizer reaches through ``model_chunk.param_and_grad_buffer`` on its
+    Megatron-FSDP path: after the inner step it asks for the compute weights to be rebuilt."""
+
+    def __init__(self, wrapper: "FullyShardedDataParallel") -> None:
+        self._wrapper = wrapper
+
+    def copy_main_weights_to_model_weights(self) -> None:
+        """Start rebuilding the compute weights from the updated main weights (idempotent: the
+        engine tracks which main weights changed; ZeRO-3 all-gathers them at the next use)."""
+        self._wrapper.module.start_param_sync()
+
+
+class FullyShardedDataParallel(DistributedDataParallel):
+    """Megatron-Core data-parallel wrapper running on megatron_fsdp_v2 (see the module docstring).
+
+    Args:
+        config: the model's ``TransformerConfig`` (dtypes; unsupported features are rejected).
+        ddp_config: ``DistributedDataParallelConfig``; ``data_parallel_sharding_strategy`` picks the
+            strategy.
+        module: the bare model (or ``Float16Module``), already on its device. Sharded in place.
+        disable_bucketing: with ``True`` and a strategy other than ZeRO-3, one root unit (one
+            gradient reduce per step, like Megatron's single bucket).
+        pg_collection: process groups; ``pg_collection.dp`` is the data-parallel group. ``None``:
+            Megatron's ``parallel_state``.
+        fsdp_unit_modules: module classes whose instances are units (default ``TransformerLayer``).
+        full_param_layout, device: accepted for signature compatibility; must be ``None``.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        ddp_config: DistributedDataParallelConfig,
+        module: nn.Module,
+        disable_bucketing: bool = False,
+        pg_collection=None,
+        fsdp_unit_modules: Optional[Sequence[type]] = None,
+        full_param_layout=None,
+        device: Optional[torch.device] = None,
+    ):
+        if not isinstance(ddp_config, DistributedDataParallelConfig):
+            raise TypeError(f"ddp_config must be a DistributedDataParallelConfig, got {type(ddp_config).__name__}.")
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}.")
+        strategy_name = ddp_config.data_parallel_sharding_strategy
+        if strategy_name not in STRATEGY_NAMES:
+            raise ValueError(
+                f"ddp_config.data_parallel_sharding_strategy (--data-parallel-sharding-strategy) must be one of "
+                f"{list(STRATEGY_NAMES)}, got {strategy_name!r}.")
+        strategy = get_strategy(strategy_name, argument="ddp_config.data_parallel_sharding_strategy")
+        if full_param_layout is not None:
+            raise ValueError("full_param_layout: pre-computed Megatron DDP buffer layouts do not apply to "
+                             "FullyShardedDataParallel; pass None.")
+        problems = _unsupported_settings(config, ddp_config, module, _parallel_sizes(pg_collection))
+        if problems:
+            raise ValueError("FullyShardedDataParallel does not support: " + "; ".join(problems) + ".")
+        dp_group = self._data_parallel_group(pg_collection)
+        policy = _mixed_precision(config, ddp_config)
+        units = self._unit_classes(module, fsdp_unit_modules, disable_bucketing, strategy.weights_sharded)
+
+        fully_shard(module, sharding_strategy=strategy, process_group=dp_group, unit_modules=units,
+                    mixed_precision=policy, check_for_nan_in_grad=bool(ddp_config.check_for_nan_in_grad))
+        _BaseDataParallel.__init__(self, config=config, module=module)
+
+        self.ddp_config = dataclasses.replace(ddp_config, use_megatron_fsdp=True)
+        self.strategy = strategy
+        self.mixed_precision = policy
+        self.unit_modules = units
+        self.dp_group = dp_group
+        self.dp_cp_group = dp_group
+        self.intra_dp_cp_group = dp_group
+        self.pg_collection = pg_collection
+        # Megatron DDP bookkeeping that training.py / the optimizer may iterate: always empty here.
+        self.bucket_size = None
+        self.buffers = []
+        self.expert_parallel_buffers = []
+        self.bucket_groups = []
+        self.expert_parallel_bucket_groups = []
+        self.param_to_bucket_group = {}
+        self.params_with_grad = []
+        self.remove_forward_pre_hook_handles = {}
+        self.force_all_reduce = False
+        self.overlap_param_gather_with_optimizer_step = False
+        self.param_and_grad_buffer = MainWeightsBuffer(self)
+        # Without overlap_grad_reduce Megatron installs no no_sync_func: accumulate locally and
+        # reduce once in finish_grad_sync (ZeRO-2/3 still reduce-scatter every micro-batch).
+        self._engine.sync_grads = bool(ddp_config.overlap_grad_reduce)
+        # Strip "module." (Float16Module) from checkpoint keys, as Float16Module.state_dict does.
+        from megatron.core.transformer.module import Float16Module
+
+        self._ckpt_prefix = "module." if isinstance(module, Float16Module) else ""
+        self._annotate_main_params()
+        logger.info("megatron_fsdp_v2 FullyShardedDataParallel: strategy=%s dp=%d units=%d policy=%s",
+                    strategy.name, dist.get_world_size(dp_group), len(self._engine.units), policy)
+
+    # ------------------------------------------------------------------ construction helpers
+    @staticmethod
+    def _data_parallel_group(pg_collection):
+        if pg_collection is not None:
+            group = getattr(pg_collection, "dp", None)
+            if group is None:
+                raise ValueError("pg_collection: the data-parallel group pg_collection.dp is required.")
+            return group
+        from megatron.core import parallel_state as ps
+
+        if not ps.model_parallel_is_initialized():
+            raise RuntimeError("FullyShardedDataParallel: pass pg_collection or initialise Megatron's "
+                               "parallel_state (initialize_model_parallel) first.")
+        return ps.get_data_parallel_group()
+
+    @staticmethod
+    def _unit_classes(module, fsdp_unit_modules, disable_bucketing, weights_sharded):
+        if fsdp_unit_modules is not None:
+            return list(fsdp_unit_modules) or None
+        if disable_bucketing and not weights_sharded:
+            return None
+        present = [cls for cls in _default_unit_classes() if any(isinstance(m, cls) for m in module.modules())]
+        return present or None
+
+    def _annotate_main_params(self) -> None:
+        """Give each main parameter the original parameter's Megatron attributes and shape."""
+        for group in self._engine.groups:
+            for param, main, shape in zip(group.params, group.main_params, group.shapes):
+                for key, value in vars(param).items():
+                    if not key.startswith("_") and key not in _NOT_COPIED:
+                        setattr(main, key, value)
+                setattr(main, ORIGINAL_SHAPE_ATTR, torch.Size(shape))
+
+    @property
+    def _engine(self):
+        return self.module._fsdp
+
+    # ------------------------------------------------------------------ parameters
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        """This rank's main weights (what an optimizer steps), as ``module.<original name>``."""
+        inner = f"{prefix}.module" if prefix else "module"
+        yield from self.module.named_parameters(prefix=inner)
+
+    def parameters(self, recurse: bool = True):
+        for _, param in self.named_parameters():
+            yield param
+
+    # ------------------------------------------------------------------ gradient sync
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Defer the gradient reduce of ``no_shard`` / ``optim`` to the last micro-batch."""
+        with self.module.no_sync():
+            yield
+
+    def start_grad_sync(self, *unused) -> None:
+        self.module.start_grad_sync()
+
+    def finish_grad_sync(self, force_all_reduce: Optional[bool] = False) -> None:
+        """Reduce what is still local, wait for every reduce, expose the reduced grads as the main
+        params' ``.grad``. ``force_all_reduce`` (Megatron: keep full grads for dumping them) is
+        ignored: the sharded strategies only ever hold their shard of the gradients."""
+        self.module.finish_grad_sync()
+
+    def scale_gradients(self, scaling_factor: float) -> None:
+        """Multiply the reduced gradients (call after ``finish_grad_sync``, as Megatron does)."""
+        with torch.no_grad():
+            for group in self._engine.groups:
+                if group.reduce_pending:
+                    group.wait_grad_reduce()
+                for buffer in (group.full_grad, group.grad_shard):
+                    if buffer is not None:
+                        buffer.mul_(scaling_factor)
+
+    def zero_grad_buffer(self) -> None:
+        self.module.zero_grad_buffer()
+
+    # ------------------------------------------------------------------ weight sync
+    def start_param_sync(self, *unused, force_sync: bool = False, force_dispatch: bool = False) -> None:
+        """Rebuild the compute weights from changed main weights (async unless ``force_sync``)."""
+        self.module.start_param_sync(force_sync=force_sync)
+
+    def synchronize_param_gather(self) -> None:
+        for group in self._engine.groups:
+            group.wait_unshard()
+
+    def synchronize_gradient_reduce(self) -> None:
+        for group in self._engine.groups:
+            if group.reduce_pending:
+                group.wait_grad_reduce()
+
+    def stop_communication(self) -> None:
+        """Wait for every outstanding reduce and all-gather."""
+        self.synchronize_gradient_reduce()
+        self.synchronize_param_gather()
+
+    def enable_forward_pre_hook(self) -> None:
+        """No-op: weights are refreshed by the engine's own hooks."""
+
+    def disable_forward_pre_hook(self, param_sync: bool = True) -> None:
+        if param_sync:
+            self.start_param_sync(force_sync=True)
+
+    def reset_param_sync_dispatch_state(self) -> None:
+        """No-op (Megatron DDP bucket bookkeeping)."""
+
+    def free_overlap_buffers(self) -> None:
+        """No-op: temporaries are owned by the engine's allocator."""
+
+    def offload_grad_buffers(self, synchronize: bool = True, empty_cache: bool = True) -> None:
+        raise NotImplementedError("FullyShardedDataParallel does not support offloading gradient buffers.")
+
+    def restore_grad_buffers(self, synchronize: bool = True) -> None:
+        raise NotImplementedError("FullyShardedDataParallel does not support offloading gradient buffers.")
+
+    def broadcast_params(self) -> None:
+        """Make every data-parallel rank hold data-parallel rank 0's model.
+
+        ``no_shard`` keeps a full replica per rank: broadcast it. The sharded strategies hold one
+        logical copy (each rank its disjoint shard), so ranks cannot disagree; buffers are
+        broadcast in every case."""
+        group = self.dp_group
+        src = dist.get_global_rank(group, 0)
+        with torch.no_grad():
+            if not self.strategy.optim_sharded:
+                for param_group in self._engine.groups:
+                    for main in param_group.main_params:
+                        dist.broadcast(main.data, src=src, group=group)
+                    param_group.refresh_weights_locally_or_gather(async_op=False)
+            for buffer in self.module.buffers():
+                dist.broadcast(buffer.data, src=src, group=group)
+
+    # ------------------------------------------------------------------ accounting
+    def comm_stats(self) -> dict:
+        """Calls and bytes of each collective since the last ``reset_comm_stats()``."""
+        return self.module.comm_stats()
+
+    def reset_comm_stats(self) -> None:
+        self.module.reset_comm_stats()
+
+    def persistent_bytes(self) -> dict:
+        """Bytes this rank keeps between steps (weights, main weights, grads; no optimizer state)."""
+        return self.module.persistent_bytes()
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self, prefix: str = "", keep_vars: bool = False, destination=None):
+        """Full (unsharded, main-precision) parameters and buffers, identical on every rank."""
+        out = destination if destination is not None else OrderedDict()
+        for key, value in self.module.full_state_dict().items():
+            if self._ckpt_prefix and key.startswith(self._ckpt_prefix):
+                key = key[len(self._ckpt_prefix):]
+            out[prefix + key] = value
+        return out
+
+    def state_dict_for_save_checkpoint(self, prefix: str = "", keep_vars: bool = False):
+        return self.state_dict(prefix=prefix, keep_vars=keep_vars)
+
+    def load_state_dict(self, state_dict, strict: bool = True) -> None:
+        """Load full tensors (keys as ``state_dict()`` gives them); each rank keeps its shard.
+        ``*._extra_state`` entries (Transformer Engine metadata) are skipped."""
+        full = OrderedDict((self._ckpt_prefix + k, v) for k, v in state_dict.items()
+                           if not k.endswith("._extra_state"))
+        self.module.load_full_state_dict(full, strict=strict)
+
+    def sharded_state_dict(self, *args, **kwargs):
+        raise NotImplementedError(
+            "FullyShardedDataParallel has no distributed (sharded_state_dict) checkpoint format yet; "
+            "save with --ckpt-format torch (state_dict_for_save_checkpoint) or run without --save.")

@@ -1,0 +1,148 @@
+"""Megatron's optimizer on ``FullyShardedDataParallel`` chunks.
+
+``get_optimizer(config, model_chunks, config_overrides=None, ...)`` has the signature of
+``megatron.core.optimizer.get_megatron_optimizer`` and returns what it returns, built on the
+wrapper's main weights (``wrapper.named_parameters()``: this rank's fp32 shard of each parameter,
+1-D for the sharded strategies). It differs from calling ``get_megatron_optimizer`` directly in
+three places, each because the optimizer-facing parameters are flat shards:
+
+1. **Weight decay by original shape.** Megatron's standard overrides skip weight decay for
+   ``len(param.shape) == 1`` or names ending in ``.bias``: on 1-D shards every matrix would lose
+   its weight decay. ``with_original_shapes(config_overrides)`` re-evaluates every ``ParamKey``
+   (name, attribute and predicate matches) against a meta-device stand-in with the parameter's
+   original shape and attributes. ``config_overrides=None`` means Megatron's standard overrides.
+2. **The optimizer class.** ``adam``: ``use_distributed_optimizer=True``, i.e. Megatron's
+   ``DistributedOptimizer`` on its ``use_megatron_fsdp`` path (the wrapper's ``ddp_config`` has
+   ``use_megatron_fsdp=True``): no buffers of its own; ``zero_grad`` -> ``zero_grad_buffer()``,
+   after the inner step ``param_and_grad_buffer.copy_main_weights_to_model_weights()`` and
+   ``start_param_sync()`` rebuild the compute weights; fp16 loss scaling works.
+   ``sgd``: ``DistributedOptimizer`` accepts only Adam-like inner optimizers, so SGD gets
+   ``FP32Optimizer`` (our main weights are fp32 already); the engine's optimizer-step hook then
+   rebuilds the compute weights.
+3. **The grad-norm group.** Gradient norms (clipping, logging) are summed over
+   ``grad_stats_parallel_group``. Sharded strategies: each rank holds a disjoint shard, so the sum
+   runs over the data-parallel group; ``no_shard``: grads are replicated, so it runs over the
+   model-parallel group only (summing replicas would make the norm sqrt(dp) too large).
+
+Calling ``get_megatron_optimizer`` directly also works for ``adam`` with
+``use_distributed_optimizer=True`` (what ``--use-megatron-fsdp`` forces): Megatron then picks the
+same groups as item 3; only item 1 needs ``config_overrides=with_original_shapes(...)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Dict, List, Optional
+
+import torch
+import torch.nn as nn
+
+from megatron.core.optimizer import (
+    OptimizerConfig,
+    ParamKey,
+    get_megatron_optimizer,
+    get_standard_config_overrides,
+)
+from megatron.core.optimizer.optimizer_config import ParamWithNamePredicate
+
+from .adapter import ORIGINAL_SHAPE_ATTR, FullyShardedDataParallel
+
+
+def _stand_in(param: torch.Tensor) -> torch.Tensor:
+    """A meta tensor shaped like ``param``'s original parameter, carrying its attributes."""
+    shape = getattr(param, ORIGINAL_SHAPE_ATTR, None)
+    if shape is None or tuple(shape) == tuple(param.shape):
+        return param
+    proxy = nn.Parameter(torch.empty(shape, dtype=param.dtype, device="meta"),
+                         requires_grad=param.requires_grad)
+    proxy.__dict__.update(vars(param))
+    return proxy
+
+
+def _matches_original(key: ParamKey, param: torch.Tensor, name: str) -> bool:
+    return key.matches(_stand_in(param), name)
+
+
+def with_original_shapes(config_overrides: Dict[ParamKey, dict]) -> Dict[ParamKey, dict]:
+    """``config_overrides`` whose keys match parameters by their original (unsharded) shape.
+
+    Each ``ParamKey`` becomes a ``ParamKey(with_name_predicate=...)`` that evaluates the original
+    key on a stand-in with the original shape (parameters without ``ORIGINAL_SHAPE_ATTR`` are
+    matched as they are). The override values are unchanged.
+    """
+    out: Dict[ParamKey, dict] = {}
+    for index, (key, override) in enumerate(config_overrides.items()):
+        predicate = ParamWithNamePredicate(name=f"megatron_fsdp_v2.original_shape[{index}]",
+                                           fn=functools.partial(_matches_original, key))
+        out[ParamKey(with_name_predicate=predicate)] = override
+    return out
+
+
+def _leaf_optimizers(optimizer) -> List:
+    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+
+
+def _check_optimizer_config(config: OptimizerConfig) -> None:
+    problems = []
+    if config.optimizer not in ("adam", "sgd"):
+        problems.append(f"optimizer={config.optimizer!r} (--optimizer): only 'adam' and 'sgd' step flat "
+                        "parameter shards (layer-wise optimizers need whole matrices)")
+    if config.optimizer == "sgd" and config.fp16:
+        problems.append("optimizer='sgd' with fp16: loss scaling needs optimizer='adam'")
+    if getattr(config, "use_precision_aware_optimizer", False):
+        problems.append("use_precision_aware_optimizer=True (--use-precision-aware-optimizer)")
+    if getattr(config, "optimizer_cpu_offload", False):
+        problems.append("optimizer_cpu_offload=True (--optimizer-cpu-offload)")
+    if getattr(config, "overlap_param_gather_with_optimizer_step", False):
+        problems.append("overlap_param_gather_with_optimizer_step=True "
+                        "(--overlap-param-gather-with-optimizer-step)")
+    if problems:
+        raise ValueError("get_optimizer: FullyShardedDataParallel does not support " + "; ".join(problems) + ".")
+
+
+def get_optimizer(
+    config: OptimizerConfig,
+    model_chunks,
+    config_overrides: Optional[Dict[ParamKey, dict]] = None,
+    use_gloo_process_groups: bool = True,
+    pg_collection=None,
+    dump_param_to_param_group_map: Optional[str] = None,
+):
+    """``get_megatron_optimizer`` for ``FullyShardedDataParallel`` chunks (see the module docstring).
+
+    Chunks that are not ours go to ``get_megatron_optimizer`` unchanged.
+    """
+    chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+    ours = [isinstance(chunk, FullyShardedDataParallel) for chunk in chunks]
+    if not any(ours):
+        return get_megatron_optimizer(config, chunks, config_overrides=config_overrides,
+                                      use_gloo_process_groups=use_gloo_process_groups,
+                                      pg_collection=pg_collection,
+                                      dump_param_to_param_group_map=dump_param_to_param_group_map)
+    if not all(ours):
+        raise ValueError("model_chunks: mix of FullyShardedDataParallel and other wrappers; wrap every chunk "
+                         "with the same class.")
+    _check_optimizer_config(config)
+    strategies = {chunk.strategy.name for chunk in chunks}
+    if len(strategies) != 1:
+        raise ValueError(f"model_chunks: all chunks must use one sharding strategy, got {sorted(strategies)}.")
+
+    if config_overrides is None:
+        config_overrides = get_standard_config_overrides(config)
+    config_overrides = with_original_shapes(config_overrides)
+    if config.optimizer == "adam":
+        config = dataclasses.replace(config, use_distributed_optimizer=True)
+    else:
+        config = dataclasses.replace(config, use_distributed_optimizer=False, bf16=False, fp16=False)
+
+    optimizer = get_megatron_optimizer(config, chunks, config_overrides=config_overrides,
+                                       use_gloo_process_groups=use_gloo_process_groups,
+                                       pg_collection=pg_collection,
+                                       dump_param_to_param_group_map=dump_param_to_param_group_map)
+    if chunks[0].strategy.optim_sharded:
+        # Disjoint shards: the squared norms add up over the data-parallel group (model-parallel
+        # groups are trivial here, the wrapper rejects TP/PP/CP/EP > 1).
+        for leaf in _leaf_optimizers(optimizer):
+            leaf.grad_stats_parallel_group = chunks[0].dp_group
+    return optimizer

@@ -1,0 +1,238 @@
+"""GPT pretraining with Megatron-LM's training loop and megatron_fsdp_v2 as the data-parallel wrapper.
+
+Usage (GPUs, torchrun; mock data, ``NullTokenizer``)::
+
+    torchrun --nproc-per-node 8 -m megatron_fsdp_v2.megatron.pretrain_gpt \\
+        --data-parallel-sharding-strategy optim_grads_params \\
+        --num-layers 4 --hidden-size 512 --num-attention-heads 8 --seq-length 1024 \\
+        --max-position-embeddings 1024 --micro-batch-size 2 --global-batch-size 64 \\
+        --train-iters 100 --lr 3e-4 --bf16 --tokenizer-type NullTokenizer --vocab-size 32000
+
+Every argument is Megatron-LM's (``megatron.training.arguments``), parsed and validated by
+Megatron. ``--data-parallel-sharding-strategy {no_shard,optim,optim_grads,optim_grads_params}``
+selects *our* strategy (Megatron's parser default is ``optim_grads_params``). Do not pass
+``--use-megatron-fsdp`` (that selects Megatron's own FSDP and its argument validation forces
+other settings) or ``--use-torch-fsdp2``.
+
+How our class gets in (the hook is installed only inside ``main()``, by
+``use_fully_sharded_data_parallel()``, and undone afterwards):
+
+* ``megatron.training.training.wrap_model_chunks_with_ddp`` -- the function ``get_model`` calls to
+  wrap each model chunk -- is replaced by a function that calls the original with
+  ``DP=FullyShardedDataParallel`` instead of Megatron's ``DistributedDataParallel``. Our class
+  derives from Megatron's DDP, so ``train()``'s ``isinstance(model[0], (megatron_FSDP, DDP))``
+  gates (``no_sync`` / grad-sync hooks with ``--overlap-grad-reduce``) and ``unwrap_model`` work.
+* ``megatron.training.training.get_megatron_optimizer`` is replaced by
+  ``megatron_fsdp_v2.megatron.get_optimizer`` (weight decay by original parameter shapes, correct
+  global grad norm over shards; see optimizer.py).
+
+The launcher also sets ``gradient_accumulation_fusion=False`` (the fused wgrad kernels write into
+``param.main_grad``, which our wrapper does not provide). Checkpoints: ``--save`` needs
+``--ckpt-format torch``; the distributed formats are not supported yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import logging
+import sys
+from typing import List, Optional
+
+import torch
+
+from ..strategy import STRATEGY_NAMES
+from .adapter import FullyShardedDataParallel
+from .optimizer import get_optimizer
+
+logger = logging.getLogger(__name__)
+
+#: The class ``get_model`` builds for every model chunk under ``use_fully_sharded_data_parallel``.
+DATA_PARALLEL_CLASS = FullyShardedDataParallel
+
+_FORBIDDEN_FLAGS = {
+    "use_megatron_fsdp": "--use-megatron-fsdp selects Megatron's own FSDP; this launcher uses "
+                         "megatron_fsdp_v2 (pick the strategy with --data-parallel-sharding-strategy)",
+    "use_torch_fsdp2": "--use-torch-fsdp2 selects torch FSDP2; this launcher uses megatron_fsdp_v2",
+    "use_layer_wise_distributed_optimizer": "--use-layer-wise-distributed-optimizer is not supported",
+}
+
+
+def check_launcher_args(args: argparse.Namespace) -> None:
+    """Reject flags that would pick another wrapper; applied before Megatron's validation."""
+    problems = [text for flag, text in _FORBIDDEN_FLAGS.items() if getattr(args, flag, False)]
+    strategy = getattr(args, "data_parallel_sharding_strategy", None)
+    if strategy not in STRATEGY_NAMES:
+        problems.append(f"--data-parallel-sharding-strategy must be one of {list(STRATEGY_NAMES)}, got {strategy!r}")
+    if getattr(args, "data_path", None) or getattr(args, "train_data_path", None):
+        problems.append("this launcher trains on mock data only; drop --data-path / --train-data-path")
+    if problems:
+        raise ValueError("megatron_fsdp_v2.megatron.pretrain_gpt: " + "; ".join(problems) + ".")
+
+
+@contextlib.contextmanager
+def _argv(argv: Optional[List[str]]):
+    if argv is None:
+        yield
+        return
+    saved = sys.argv
+    sys.argv = [saved[0] if saved else "pretrain_gpt", *argv]
+    try:
+        yield
+    finally:
+        sys.argv = saved
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    """Megatron-LM's argument parsing and validation (``argv`` defaults to ``sys.argv[1:]``),
+    plus ``check_launcher_args``. Does not set Megatron's global variables."""
+    from megatron.training import arguments
+
+    with _argv(argv):
+        args = arguments.parse_args()
+    check_launcher_args(args)
+    if getattr(args, "gradient_accumulation_fusion", False):
+        logger.info("megatron_fsdp_v2: setting gradient_accumulation_fusion=False (needs param.main_grad)")
+    args.gradient_accumulation_fusion = False
+    args.mock_data = True
+    arguments.validate_args(args, {})
+    return args
+
+
+def data_parallel_class(args: argparse.Namespace) -> type:
+    """The wrapper class the launcher uses for ``args`` (the strategy travels in ``ddp_config``)."""
+    check_launcher_args(args)
+    return DATA_PARALLEL_CLASS
+
+
+@contextlib.contextmanager
+def use_fully_sharded_data_parallel():
+    """Make ``megatron.training.training`` wrap model chunks with ``FullyShardedDataParallel`` and
+    build optimizers with ``get_optimizer`` (module attributes patched, restored on exit)."""
+    from megatron.training import training
+
+    original_wrap = training.wrap_model_chunks_with_ddp
+    original_get_optimizer = training.get_megatron_optimizer
+
+    @functools.wraps(original_wrap)
+    def wrap_model_chunks(model_chunks, config, ddp_config, *, DP=None, pg_collection=None, **kwargs):
+        if DP is not None and DP is not training.DDP and DP is not DATA_PARALLEL_CLASS:
+            raise ValueError(f"megatron_fsdp_v2 launcher: get_model asked for {getattr(DP, '__name__', DP)}; "
+                             "drop --use-megatron-fsdp / --use-torch-fsdp2.")
+        return original_wrap(model_chunks, config, ddp_config, DP=DATA_PARALLEL_CLASS,
+                             pg_collection=pg_collection, **kwargs)
+
+    training.wrap_model_chunks_with_ddp = wrap_model_chunks
+    training.get_megatron_optimizer = get_optimizer
+    try:
+        yield
+    finally:
+        training.wrap_model_chunks_with_ddp = original_wrap
+        training.get_megatron_optimizer = original_get_optimizer
+
+
+# ---------------------------------------------------------------------------------------------
+# Model, data, forward step (Megatron-LM pretrain_gpt.py, reduced to TP = PP = CP = 1)
+# ---------------------------------------------------------------------------------------------
+
+
+def model_provider(pre_process: bool = True, post_process: bool = True, config=None, pg_collection=None,
+                   vp_stage: Optional[int] = None):
+    """A bare ``GPTModel`` built from Megatron's global args."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+    from megatron.training import get_args
+    from megatron.training.argument_utils import core_transformer_config_from_args
+
+    args = get_args()
+    if config is None:
+        config = core_transformer_config_from_args(args)
+    if args.transformer_impl == "local":
+        spec = get_gpt_layer_local_spec(args.num_experts, args.moe_grouped_gemm, args.qk_layernorm,
+                                        normalization=args.normalization)
+    else:
+        spec = get_gpt_layer_with_transformer_engine_spec(args.num_experts, args.moe_grouped_gemm,
+                                                          args.qk_layernorm)
+    kwargs = dict(pg_collection=pg_collection) if pg_collection is not None else {}
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
+        parallel_output=True,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base,
+        vp_stage=vp_stage,
+        **kwargs,
+    )
+
+
+def train_valid_test_datasets_provider(train_val_test_num_samples):
+    """Megatron's mock GPT datasets (``MockGPTDataset``), built on every rank."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset
+    from megatron.training import get_args, get_tokenizer
+
+    args = get_args()
+    config = GPTDatasetConfig(
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        blend=None,
+        blend_per_split=None,
+        tokenizer=get_tokenizer(),
+        reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask,
+        eod_mask_loss=args.eod_mask_loss,
+        create_attention_mask=args.create_attention_mask_in_dataloader,
+    )
+    return BlendedMegatronDatasetBuilder(MockGPTDataset, train_val_test_num_samples, lambda: True,
+                                         config).build()
+
+
+train_valid_test_datasets_provider.is_distributed = True
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """``(sum of masked token losses, num_tokens, {"lm loss": [sum, num_tokens]})`` (0.19 style)."""
+    losses = output_tensor.view(-1).float()
+    loss_mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * loss_mask)
+    num_tokens = loss_mask.sum().clone().detach().to(torch.int)
+    report = torch.cat([loss.clone().detach().view(1), num_tokens.float().view(1)])
+    return loss, num_tokens, {"lm loss": report}
+
+
+def forward_step(data_iterator, model):
+    """One micro-batch: move it to the GPU, run the model with labels, return the loss function."""
+    batch = next(data_iterator)
+    device = torch.device("cuda", torch.cuda.current_device())
+    batch = {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+    output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"])
+    return output, functools.partial(loss_func, batch["loss_mask"])
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    from megatron.core.enums import ModelType
+    from megatron.training import pretrain
+    from megatron.training.argument_utils import pretrain_cfg_container_from_args
+    from megatron.training.global_vars import set_global_variables
+
+    args = parse_args(argv)
+    set_global_variables(args)
+    cfg = pretrain_cfg_container_from_args(args, model_cfg=None)
+    with use_fully_sharded_data_parallel():
+        pretrain(cfg, train_valid_test_datasets_provider, ModelType.encoder_or_decoder, forward_step,
+                 model_provider=model_provider)
+
+
+if __name__ == "__main__":
+    main()

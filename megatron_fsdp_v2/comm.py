@@ -4,6 +4,20 @@ Every collective goes through here so ``comm_stats()`` is exact: bytes are count
 buffer a collective covers (the gathered output of an all-gather, the input of a reduce-scatter,
 the tensor of an all-reduce), which is what the ZeRO papers call "Psi" per collective.
 
+[Note: stream ordering on CUDA]
+Collectives are issued with ``async_op=True`` from the compute stream. ProcessGroupNCCL runs each
+one on its own internal NCCL stream, which first waits (an event, not a host sync) for the work
+already queued on the issuing stream; ``Work.wait()`` makes the *current* stream wait for the
+collective, again with an event. So:
+* a prefetch all-gather issued at unit i's pre-forward overlaps unit i's compute and is waited for
+  only at unit i+1's pre-forward; the backward prefetch does the same in reverse order;
+* a reduce-scatter issued when a unit's grads are complete overlaps the next unit's backward; the
+  engine waits for it before allocating the next full-size grad buffer (the memory bound), and
+  the temporary input buffer is freed only after that wait, so the caching allocator never hands
+  its bytes to a kernel that could run before the collective finished reading them;
+* the host never blocks: there is no ``torch.cuda.synchronize()`` in the schedule.
+On CPU (gloo) the same calls run with gloo's own threads; the code path is identical.
+
 Which strategy calls which collective is decided by ``strategy.py`` and ``param_group.py``,
 never here (LESSONS.md: keep "who may do X" out of the collective functions).
 """

@@ -4,8 +4,9 @@ Public names only; the Megatron adapter lives in ``megatron_fsdp_v2.megatron`` a
 demand, so the core runs with torch alone.
 """
 
-from .checkpoint import (SafeFileSystemReader, export_full_state_dict, load_checkpoint,
-                         load_optimizer_state_dict, optimizer_state_dict, save_checkpoint)
+from .checkpoint import (export_full_state_dict, load_checkpoint, load_optimizer_state_dict, optimizer_state_dict,
+                         save_checkpoint)
+from .dcp_format import SafeFileSystemReader
 from .fully_shard import FullyShardedModule, fully_shard
 from .mixed_precision import MixedPrecisionPolicy
 from .strategy import STRATEGIES, STRATEGY_NAMES, ShardingStrategy, get_strategy

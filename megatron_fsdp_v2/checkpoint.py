@@ -1,32 +1,20 @@
-"""Distributed checkpoints: sharded state dicts for torch.distributed.checkpoint (DCP).
+"""Distributed checkpoints with torch.distributed.checkpoint (DCP): sharded model and optimizer
+state dicts, atomic save/load helpers and a single-file full export.
 
 [Note: the checkpoint format]
 Keys are the original module's names and values keep the original shapes, so a checkpoint reads
-like a plain model's. A rank's main-weight shard of a parameter is a contiguous range of the
-parameter's row-major flattening that need not start or end on a row (layout.py never pads rows),
-so neither ``DTensor(Shard(0))`` (torch.chunk-sized pieces) nor one rectangle per rank describes
-it. ``FlatRangeShard`` does: it cuts the range into at most ``2 * ndim - 1`` boxes and declares
-each box to DCP as one chunk of the full tensor (DCP's ``_Checkpointable`` protocol)::
-
-    param (3, 5), this rank owns flat [3, 12):   row 0: . . . # #   box offsets (0, 3) sizes (1, 2)
-                                                 row 1: # # # # #   box offsets (1, 0) sizes (1, 5)
-                                                 row 2: # # . . .   box offsets (2, 0) sizes (1, 2)
-
-Each rank writes only its boxes; nobody gathers. A load at another dp size or strategy declares
-other boxes and DCP reads the overlapping parts of the saved ones (resharding). Replicated values
-(no_shard weights, buffers, Adam's ``step``, hyperparameters) are plain tensors that DCP writes once.
-
-Optimizer keys: ``state.<param name>.<state key>`` (per-element state is sharded like the param)
-and ``param_groups.<i>.<hyperparameter>`` (numbers, bools, tuples and tensors, stored as tensors).
-Nothing is pickled on save, and our loads read DCP's pickled ``.metadata`` with an allowlist
-unpickler (``SafeFileSystemReader``) and refuse pickled values, so a checkpoint cannot run code.
+like a plain model's: sharded values are ``FlatRangeShard`` (see dcp_format.py, [Note: flat
+ranges as DCP chunks]); replicated ones (no_shard weights, buffers, Adam's ``step``,
+hyperparameters) are plain tensors that DCP writes once. Optimizer keys:
+``state.<param name>.<state key>`` (per-element state is sharded like its parameter) and
+``param_groups.<i>.<hyperparameter>`` (numbers, bools, tuples and tensors, stored as tensors, so
+nothing is pickled). ``save_checkpoint`` prefixes them with ``model.`` and ``optimizer.``.
 """
 
 from __future__ import annotations
 
 import math
 import os
-import pickle
 import shutil
 from collections import OrderedDict
 from typing import Optional
@@ -35,106 +23,15 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta,
-                                                   TensorProperties, TensorStorageMetadata)
-from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.nn.modules.module import _IncompatibleKeys
 
-__all__ = ["FlatRangeShard", "SafeFileSystemReader", "export_full_state_dict", "flat_range_boxes",
-           "load_checkpoint", "load_optimizer_state_dict", "optimizer_state_dict", "save_checkpoint"]
+from .dcp_format import FlatRangeShard, SafeFileSystemReader, TensorsOnlyLoadPlanner
 
-Box = tuple[tuple[int, ...], tuple[int, ...]]   # (offsets, sizes) inside the full tensor
-
-
-def flat_range_boxes(shape: tuple[int, ...], start: int, end: int) -> list[Box]:
-    """The boxes, in order, that tile elements ``[start, end)`` of a row-major tensor of ``shape``:
-    a partial first row, whole rows, a partial last row, each partial row split the same way."""
-    if start >= end:
-        return []
-    if len(shape) <= 1:
-        return [((start,), (end - start,))] if shape else [((), ())]
-    inner = math.prod(shape[1:])
-
-    def within_row(row: int, lo: int, hi: int) -> list[Box]:
-        return [((row, *o), (1, *s)) for o, s in flat_range_boxes(shape[1:], lo, hi)]
-
-    boxes: list[Box] = []
-    if start % inner:
-        row = start // inner
-        stop = min(end, (row + 1) * inner)
-        boxes += within_row(row, start - row * inner, stop - row * inner)
-        start = stop
-    if end - start >= inner:
-        first, last = start // inner, end // inner
-        boxes.append(((first,) + (0,) * (len(shape) - 1), (last - first, *shape[1:])))
-        start = last * inner
-    if start < end:
-        boxes += within_row(start // inner, 0, end - start)
-    return boxes
-
-
-class FlatRangeShard(torch.Tensor):
-    """A tensor of the full ``shape`` of which this rank holds flattened elements
-    ``[flat_start, flat_start + local_flat.numel())`` as the 1-D ``local_flat`` (usually a view of
-    the main weights or of optimizer state, so ``dcp.load`` fills them in place). It exists to be
-    checkpointed: detach/clone/to act on ``local_flat``; any other op raises."""
-
-    __torch_function__ = torch._C._disabled_torch_function_impl
-
-    @staticmethod
-    def __new__(cls, shape, local_flat: torch.Tensor, flat_start: int):
-        return torch.Tensor._make_wrapper_subclass(cls, tuple(shape), dtype=local_flat.dtype,
-                                                   device=local_flat.device, requires_grad=False)
-
-    def __init__(self, shape, local_flat: torch.Tensor, flat_start: int) -> None:
-        if local_flat.dim() != 1:
-            raise ValueError(f"local_flat must be 1-D, got shape {tuple(local_flat.shape)}.")
-        self.local_flat = local_flat
-        self.flat_start = flat_start
-        self.flat_end = flat_start + local_flat.numel()
-        self.boxes = flat_range_boxes(tuple(shape), flat_start, self.flat_end)
-
-    def _pieces(self):
-        position = 0
-        for offsets, sizes in self.boxes:
-            numel = math.prod(sizes)
-            yield torch.Size(offsets), torch.Size(sizes), self.local_flat[position:position + numel].view(sizes)
-            position += numel
-
-    # DCP's _Checkpointable protocol: what this rank writes, which chunks it reads, where they live.
-    def __create_write_items__(self, fqn: str, obj) -> list[WriteItem]:
-        properties = TensorProperties(dtype=self.dtype)
-        return [WriteItem(index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
-                          tensor_data=TensorWriteData(ChunkStorageMetadata(offsets, sizes), properties, self.shape))
-                for offsets, sizes, _ in self._pieces()]
-
-    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
-        return [ChunkStorageMetadata(offsets, sizes) for offsets, sizes, _ in self._pieces()]
-
-    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
-        for offsets, _, piece in self._pieces():
-            if offsets == index.offset:
-                return piece
-        raise ValueError(f"{index.fqn}: this rank holds no chunk at offset {index.offset}; its boxes are {self.boxes}.")
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        if func in _LOCAL_OPS:
-            self = args[0]
-            return FlatRangeShard(self.shape, func(self.local_flat, *args[1:], **(kwargs or {})), self.flat_start)
-        raise TypeError(f"FlatRangeShard (one rank's range of a sharded tensor, for checkpoints) does not support "
-                        f"{func}; use .local_flat, or model.full_state_dict() for full tensors.")
-
-    def __repr__(self, *, tensor_contents=None) -> str:
-        return (f"FlatRangeShard(shape={tuple(self.shape)}, dtype={self.dtype}, "
-                f"flat range [{self.flat_start}, {self.flat_end}))")
-
-
-_LOCAL_OPS = {torch.ops.aten.detach.default, torch.ops.aten.alias.default, torch.ops.aten.clone.default,
-              torch.ops.aten._to_copy.default}
-
+__all__ = ["export_full_state_dict", "load_checkpoint", "load_optimizer_state_dict", "optimizer_state_dict",
+           "save_checkpoint"]
 
 # ---------------------------------------------------------------- shards <-> state-dict values
 def _check_model(model) -> None:
@@ -410,46 +307,6 @@ def _optimizer_targets(model, optimizer, metadata: dict, prefix: str) -> "Ordere
     return targets
 
 
-# ---------------------------------------------------------------- safe reading
-_ALLOWED_GLOBALS = {("torch.distributed.checkpoint.metadata", name) for name in (
-    "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
-    "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")} | {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-    ("torch.serialization", "_get_layout"), ("collections", "OrderedDict")} | {
-    (module, cls) for module in ("pathlib", "pathlib._local")
-    for cls in ("Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str):
-        if (module, name) in _ALLOWED_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}; only DCP metadata classes, "
-                                     f"torch.Size, torch dtypes and paths are allowed, so it is not unpickled.")
-
-
-class SafeFileSystemReader(FileSystemReader):
-    """``FileSystemReader`` whose ``.metadata`` is unpickled through an allowlist of DCP's metadata
-    types: ``dcp.load(sd, storage_reader=SafeFileSystemReader(path))`` cannot run code from a file."""
-
-    def read_metadata(self, *args, **kwargs) -> Metadata:
-        with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as stream:
-            metadata = _MetadataUnpickler(stream).load()
-        if not isinstance(metadata, Metadata):
-            raise ValueError(f"checkpoint metadata must be a DCP Metadata, got {type(metadata).__name__}.")
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-class _TensorsOnlyLoadPlanner(DefaultLoadPlanner):
-    """DCP unpickles non-tensor values with ``torch.load(weights_only=False)``; we never read any."""
-
-    def load_bytes(self, read_item, value) -> None:
-        raise ValueError(f"checkpoint stores {read_item.dest_index.fqn!r} as pickled bytes; only tensors are loaded.")
-
-
 # ---------------------------------------------------------------- atomic save / load, export
 def _fsync_dir(path: str) -> None:
     try:                           # make the renames durable; some filesystems cannot fsync a directory
@@ -490,9 +347,12 @@ def save_checkpoint(path: "str | os.PathLike", model, optimizer=None) -> None:
     dist.barrier(group=group)
     try:
         dcp.save(sd, storage_writer=FileSystemWriter(tmp), process_group=group)
-    except BaseException:
+    except BaseException as exc:
         if leader:                 # DCP raised on every rank, after every rank stopped writing
             shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, CheckpointException):    # a BaseException: `except Exception` would miss it
+            raise RuntimeError(f"save_checkpoint: writing {path!r} failed on ranks {sorted(exc.failures)}; the "
+                               f"previous checkpoint there is intact. {exc}") from exc
         raise
     dist.barrier(group=group)
     if leader:
@@ -513,6 +373,9 @@ def load_checkpoint(path: "str | os.PathLike", model, optimizer=None) -> None:
     reader = SafeFileSystemReader(_checkpoint_dir(os.fspath(path)))
     metadata = reader.read_metadata().state_dict_metadata
     model_md = {k[6:]: v for k, v in metadata.items() if k.startswith("model.")}
+    if not model_md:
+        raise ValueError(f"checkpoint {os.fspath(path)!r} has no 'model.*' keys, so save_checkpoint did not write it; "
+                         f"load a dcp.save(model.state_dict()) checkpoint with dcp.load and model.load_state_dict.")
     shapes, aliases = _model_shapes(model)
     got = {k: tuple(md.size) if isinstance(md, TensorStorageMetadata) else "non-tensor bytes"
            for k, md in model_md.items()}
@@ -527,7 +390,7 @@ def load_checkpoint(path: "str | os.PathLike", model, optimizer=None) -> None:
         if bytes_keys:
             raise ValueError(f"checkpoint optimizer entries {bytes_keys[:20]} are pickled bytes, not tensors.")
         sd.update(_optimizer_targets(model, optimizer, optim_md, "optimizer."))
-    dcp.load(sd, storage_reader=reader, planner=_TensorsOnlyLoadPlanner(), process_group=model._fsdp.comm.group)
+    dcp.load(sd, storage_reader=reader, planner=TensorsOnlyLoadPlanner(), process_group=model._fsdp.comm.group)
     model.load_state_dict(OrderedDict((k[6:], v) for k, v in sd.items() if k.startswith("model.")), strict=False)
     if optimizer is not None:
         load_optimizer_state_dict(model, optimizer,

@@ -22,6 +22,7 @@
 from __future__ import annotations
 
 import enum
+import weakref
 from typing import Optional
 
 import torch
@@ -101,20 +102,37 @@ class Engine:
 
     # ------------------------------------------------------------------ hooks
     def _register_hooks(self) -> None:
-        self._handles.append(self.root.register_forward_pre_hook(self._root_pre_forward, prepend=True))
-        self._handles.append(self.root.register_forward_hook(self._root_post_forward))
-        for unit in self.units:
+        """Hooks reach the engine through a weak reference and find units and groups by index.
+
+        A hook stored on a parameter lives in C++ autograd state that Python's cycle collector
+        cannot see through; a strong reference from it back to the engine (or to a unit, which
+        holds the root module) would keep the whole wrapped model alive forever."""
+        ref = weakref.ref(self)
+        self._handles.append(self.root.register_forward_pre_hook(
+            lambda m, a: ref()._root_pre_forward(m, a), prepend=True))
+        self._handles.append(self.root.register_forward_hook(lambda m, a, out: ref()._root_post_forward(m, a, out)))
+        for u, unit in enumerate(self.units):
             if not unit.is_root:
                 self._handles.append(unit.module.register_forward_pre_hook(
-                    lambda m, a, unit=unit: self._unit_pre_forward(unit)))
+                    lambda m, a, u=u: ref()._unit_pre_forward(ref().units[u])))
                 self._handles.append(unit.module.register_forward_hook(
-                    lambda m, a, out, unit=unit: self._unit_post_forward(unit, out)))
-            for group in unit.groups:
+                    lambda m, a, out, u=u: ref()._unit_post_forward(ref().units[u], out)))
+            for g, group in enumerate(unit.groups):
                 if not group.requires_grad:
                     continue
                 for index, param in enumerate(group.params):
                     self._handles.append(param.register_post_accumulate_grad_hook(
-                        lambda p, group=group, index=index, unit=unit: self._on_grad(unit, group, index, p)))
+                        lambda p, u=u, g=g, index=index: ref()._on_grad_at(u, g, index, p)))
+
+    def _on_grad_at(self, u: int, g: int, index: int, param: nn.Parameter) -> None:
+        unit = self.units[u]
+        self._on_grad(unit, unit.groups[g], index, param)
+
+    def remove_hooks(self) -> None:
+        """Detach the engine from the module (used when tearing a wrapped model down)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
 
     def hook_count(self) -> int:
         return len(self._handles)
@@ -181,8 +199,9 @@ class Engine:
         if not tensors:
             return False
         fired = [False]
+        ref, u = weakref.ref(self), self.units.index(unit)
         torch.autograd.graph.register_multi_grad_hook(
-            tensors, lambda grads, unit=unit, fired=fired: self._pre_backward(unit, fired), mode="any")
+            tensors, lambda grads, u=u, fired=fired: ref()._pre_backward(ref().units[u], fired), mode="any")
         return True
 
     def _pre_backward(self, unit: Unit, fired: list) -> None:

@@ -198,3 +198,17 @@ def test_long_run_does_not_leak():
         assert peak == peak2, key
         assert tensors == tensors2, key
         assert hooks == hooks2 and engine_hooks == engine_hooks2, key
+
+
+@pytest.mark.parametrize("strategy", STRATEGY_NAMES)
+def test_a_dropped_model_is_freed(strategy, single_rank_group):
+    import weakref
+    model = fully_shard(UnevenNet(), sharding_strategy=strategy, unit_modules=[Block])
+    opt = torch.optim.AdamW(model.parameters())
+    x, y = make_batches(0, 0, 1)[0]
+    loss_fn(model(x), y).backward()
+    opt.step()
+    model_ref, engine_ref = weakref.ref(model), weakref.ref(model._fsdp)
+    del model, opt
+    gc.collect()
+    assert model_ref() is None and engine_ref() is None

@@ -5,7 +5,9 @@ Megatron's own ``get_forward_backward_func()`` schedule and ``finalize_model_gra
 
 Megatron hard-codes CUDA in a few places.  ``patch_megatron_for_cpu()`` patches exactly those,
 and only inside Megatron modules (never ``torch.cuda`` itself and never package code), so code
-under test that hard-codes CUDA still fails on CPU.  See ``patch_megatron_for_cpu`` for the list.
+under test that hard-codes CUDA still fails on CPU.  See ``patch_megatron_for_cpu`` for the list;
+the patches and the parallel-state helpers live in ``megatron_fsdp_v2/megatron/cpu_compat.py``
+(shared with ``make demo``, never used by the library itself) and are re-exported here.
 
 Typical use (inside a worker started by ``run_distributed``)::
 
@@ -27,9 +29,7 @@ gradient is the gradient of ``mean_over_dp_ranks(mean_over_microbatches(mean_ove
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import types
 from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional
 
 import torch
@@ -51,317 +51,20 @@ __all__ = [
     "run_distributed",
     "reference_worker",
     "state_dicts_equal",
+    "constant_param_scheduler",
 ]
 
 
 # ---------------------------------------------------------------------------------------------
-# CPU patches
+# CPU patches and parallel state: shared with the demo, see megatron_fsdp_v2/megatron/cpu_compat.py
 # ---------------------------------------------------------------------------------------------
 
-
-def _is_cuda_device(device: Any) -> bool:
-    if device is None:
-        return False
-    if isinstance(device, int):  # torch.cuda.current_device() style
-        return True
-    if isinstance(device, torch.device):
-        return device.type == "cuda"
-    if isinstance(device, str):
-        return device.split(":")[0] == "cuda"
-    return False
-
-
-class _NullStream:
-    """Stands in for a CUDA stream / event: every synchronisation is a no-op on CPU."""
-
-    def wait_event(self, *_a, **_k):
-        pass
-
-    def wait_stream(self, *_a, **_k):
-        pass
-
-    def synchronize(self):
-        pass
-
-    def record_event(self, *_a, **_k):
-        return self
-
-    def query(self):
-        return True
-
-
-class _CpuCudaNamespace(types.SimpleNamespace):
-    """What ``torch.cuda`` looks like to the patched Megatron modules."""
-
-    def __getattr__(self, name):  # anything not overridden: the real torch.cuda
-        return getattr(torch.cuda, name)
-
-    @staticmethod
-    def current_device():
-        return "cpu"  # only ever used as a ``device=`` argument in the patched modules
-
-    @staticmethod
-    def current_stream(*_a, **_k):
-        return _NullStream()
-
-    @staticmethod
-    def stream(*_a, **_k):
-        return contextlib.nullcontext()
-
-    @staticmethod
-    def Stream(*_a, **_k):  # noqa: N802 (mirrors torch.cuda.Stream)
-        return _NullStream()
-
-    @staticmethod
-    def synchronize(*_a, **_k):
-        pass
-
-    @staticmethod
-    def empty_cache():
-        pass
-
-
-def _cpu_factory(fn):
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        if _is_cuda_device(kwargs.get("device")):
-            kwargs["device"] = "cpu"
-        return fn(*args, **kwargs)
-
-    return wrapper
-
-
-class _CpuTorchModule(types.ModuleType):
-    """Replaces the global name ``torch`` inside selected Megatron modules only.
-
-    Factory functions called with ``device="cuda"`` (or ``torch.cuda.current_device()``)
-    allocate on CPU, ``torch.cuda.current_stream()/stream()`` are no-ops; everything else is
-    the real ``torch``.
-    """
-
-    _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "rand", "randn")
-
-    def __init__(self):
-        super().__init__("torch")
-        self.cuda = _CpuCudaNamespace()
-        for name in self._FACTORIES:
-            setattr(self, name, _cpu_factory(getattr(torch, name)))
-
-    def __getattr__(self, name):
-        return getattr(torch, name)
-
-
-# Generator that plays the role of the (absent) CUDA default generator for Megatron's
-# CudaRNGStatesTracker.  Keeping it separate from the CPU default generator preserves the
-# tracker's "CPU RNG state must not change inside fork()" invariant.
-_FAKE_CUDA_GENERATOR = torch.Generator(device="cpu")
-
-
-def _cpu_get_cuda_rng_state(device="cuda", clone=False, graph_safe=False):
-    return _FAKE_CUDA_GENERATOR.get_state()
-
-
-def _cpu_set_cuda_rng_state(new_state, device=-1, graph_safe=False):
-    _FAKE_CUDA_GENERATOR.set_state(new_state)
-
-
-def _cpu_tracker_add(self, name, seed):
-    """CPU version of ``CudaRNGStatesTracker.add`` (random.py: uses torch.cuda.get_rng_state)."""
-    self._is_initialized = True
-    if seed in self.seeds_:
-        raise Exception("seed {} already exists".format(seed))
-    self.seeds_.add(seed)
-    if name in self.states_:
-        raise Exception("cuda rng state {} already exists".format(name))
-    self.states_[name] = torch.Generator(device="cpu").manual_seed(seed).get_state()
-
-
-def _cpu_global_memory_buffer_get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
-    """``GlobalMemoryBuffer.get_tensor`` (utils.py) allocating on CPU instead of CUDA."""
-    required_len = functools.reduce(lambda a, b: a * b, tensor_shape, 1)
-    buf = self.buffer.get((name, dtype), None)
-    if buf is None or buf.numel() < required_len:
-        buf = torch.empty(required_len, dtype=dtype, device="cpu", requires_grad=False)
-        self.buffer[(name, dtype)] = buf
-    return buf[0:required_len].view(*tensor_shape)
-
-
-def _cpu_local_multi_tensor_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
-    """``utils.local_multi_tensor_l2_norm`` returning a CPU tensor (original: device="cuda")."""
-    l2 = [[torch.norm(t) for t in tensor_list] for tensor_list in tensor_lists]
-    l2_reduced = torch.norm(torch.tensor(l2))
-    return torch.tensor([float(l2_reduced)], dtype=torch.float), None
-
-
-def _make_cpu_clip_grad_by_total_norm_fp32(clip_grads_module):
-    """``clip_grads.clip_grad_by_total_norm_fp32`` without its CUDA-only type assertion.
-
-    The original asserts ``param.grad.type() == 'torch.cuda.FloatTensor'``; the CPU copy asserts
-    float32 instead and is otherwise identical (runs in clip_grads' namespace).
-    """
-    cg = clip_grads_module
-
-    def clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
-        grads = []
-        for param in parameters:
-            g = param.decoupled_grad if use_decoupled_grad else param.grad
-            if g is None:
-                continue
-            assert g.dtype in (torch.float32, torch.bfloat16) if use_decoupled_grad else (
-                g.dtype == torch.float32
-            ), g.dtype
-            grads.append(cg.to_local_if_dtensor(g).detach())
-        clip_coeff = max_norm / (total_norm + 1.0e-6)
-        dummy_overflow_buf = torch.zeros(1, dtype=torch.int)
-        if isinstance(clip_coeff, torch.Tensor):
-            clip_coeff.clamp_max_(1.0)
-            assert cg.multi_tensor_scale_tensor_impl is not None
-            cg.multi_tensor_applier(
-                cg.multi_tensor_scale_tensor_impl, dummy_overflow_buf, [grads, grads], clip_coeff
-            )
-        elif clip_coeff < 1.0:
-            cg.multi_tensor_applier(
-                cg.multi_tensor_scale_impl, dummy_overflow_buf, [grads, grads], clip_coeff
-            )
-
-    return clip_grad_by_total_norm_fp32
-
-
-class _Patcher:
-    def __init__(self):
-        self._undo: List[Callable[[], None]] = []
-
-    def setattr(self, obj, name, value):
-        missing = object()
-        old = obj.__dict__.get(name, missing) if hasattr(obj, "__dict__") else getattr(obj, name)
-
-        def undo():
-            if old is missing:
-                delattr(obj, name)
-            else:
-                setattr(obj, name, old)
-
-        setattr(obj, name, value)
-        self._undo.append(undo)
-
-    def undo(self):
-        while self._undo:
-            self._undo.pop()()
-
-
-# Megatron modules whose global ``torch`` is replaced by ``_CpuTorchModule``, and why.
-_MODULES_WITH_CPU_TORCH = {
-    # forward_backward_no_pipelining: total_num_tokens = torch.zeros([], ..., device="cuda")
-    "megatron.core.pipeline_parallel.schedules": "total_num_tokens on cuda",
-    # _ParamAndGradBuffer: grad_data/param_data on torch.cuda.current_device();
-    # _ParamAndGradBucketGroup.start_grad_sync: torch.cuda.current_stream()
-    "megatron.core.distributed.param_and_grad_buffer": "Megatron DDP buffers",
-    # MixedPrecisionOptimizer/FP32Optimizer: found_inf, _dummy_overflow_buf, _scale on 'cuda'
-    "megatron.core.optimizer.optimizer": "Megatron optimizer scalars",
-    # get_grad_norm_fp32 / count_zeros_fp32: total_norm etc. on 'cuda'
-    "megatron.core.optimizer.clip_grads": "grad-norm accumulators",
-}
-
-
-@contextlib.contextmanager
-def patch_megatron_for_cpu():
-    """Context manager applying the minimal CPU patches to Megatron-Core 0.19.2.
-
-    Patches (all undone on exit):
-      1. ``megatron.core.utils.GlobalMemoryBuffer.get_tensor`` allocates on CPU
-         (DotProductAttention's baddbmm buffer uses ``torch.cuda.current_device()``).
-      2. ``megatron.core.tensor_parallel.random._get_cuda_rng_state`` / ``_set_cuda_rng_state``
-         and ``CudaRNGStatesTracker.add`` use a dedicated CPU ``torch.Generator`` standing in
-         for the CUDA default generator (``tracker.fork()`` is entered by attention and
-         embeddings even with dropout 0; ``model_parallel_cuda_manual_seed`` calls ``add``).
-      3. The global name ``torch`` inside ``pipeline_parallel.schedules`` (``total_num_tokens``),
-         ``distributed.param_and_grad_buffer`` (Megatron DDP grad buffers, streams),
-         ``optimizer.optimizer`` and ``optimizer.clip_grads`` (scalar tensors on 'cuda') becomes a
-         shim mapping ``device="cuda"`` factories and
-         ``torch.cuda.current_device()/current_stream()/stream()`` to CPU / no-ops.
-      4. ``clip_grad_by_total_norm_fp32`` (asserts ``grad.type() == 'torch.cuda.FloatTensor'``)
-         is replaced in ``clip_grads`` and ``optimizer.optimizer`` by a copy asserting float32;
-         ``clip_grads.l2_norm_impl`` (the no-TE/no-apex fallback allocates on 'cuda') by a CPU copy.
-      Building/running the model and the schedule needs 1, 2 and the ``schedules`` shim; the
-      other shims and 4 are for Megatron DDP and Megatron optimizers (``FP32Optimizer``,
-      ``ChainedOptimizer`` grad norm, clipping).  The shims live in Megatron module globals only,
-      so package code imported from those modules' functions would see them too.
-      Not covered: ``DistributedOptimizer`` on the non-FSDP path (``param.type()`` checks for
-      ``torch.cuda.*Tensor`` in distrib_optimizer.py) and pipeline-parallel p2p.
-
-    ``torch.cuda`` itself is never patched, so package code that hard-codes CUDA still fails.
-    """
-    import importlib
-
-    import megatron.core.tensor_parallel.random as mrandom
-    import megatron.core.utils as mutils
-
-    p = _Patcher()
-    try:
-        p.setattr(mutils.GlobalMemoryBuffer, "get_tensor", _cpu_global_memory_buffer_get_tensor)
-        p.setattr(mrandom, "_get_cuda_rng_state", _cpu_get_cuda_rng_state)
-        p.setattr(mrandom, "_set_cuda_rng_state", _cpu_set_cuda_rng_state)
-        p.setattr(mrandom.CudaRNGStatesTracker, "add", _cpu_tracker_add)
-        shim = _CpuTorchModule()
-        for modname in _MODULES_WITH_CPU_TORCH:
-            mod = importlib.import_module(modname)
-            p.setattr(mod, "torch", shim)
-        # Optimizer grad clipping (optimizer.py imported the function by name).
-        import megatron.core.optimizer.clip_grads as mclip
-        import megatron.core.optimizer.optimizer as mopt
-
-        cpu_clip = _make_cpu_clip_grad_by_total_norm_fp32(mclip)
-        p.setattr(mclip, "clip_grad_by_total_norm_fp32", cpu_clip)
-        p.setattr(mopt, "clip_grad_by_total_norm_fp32", cpu_clip)
-        if mclip.l2_norm_impl is mutils.local_multi_tensor_l2_norm:  # no TE / apex installed
-            p.setattr(mclip, "l2_norm_impl", _cpu_local_multi_tensor_l2_norm)
-        yield
-    finally:
-        p.undo()
-
-
-# ---------------------------------------------------------------------------------------------
-# Parallel state
-# ---------------------------------------------------------------------------------------------
-
-
-def cpu_model_parallel_manual_seed(seed: int) -> None:
-    """CPU replacement for ``tensor_parallel.model_parallel_cuda_manual_seed``.
-
-    Seeds the CPU default generator with ``seed`` and registers Megatron's RNG-tracker states
-    (``model_parallel_cuda_manual_seed`` itself works under ``patch_megatron_for_cpu`` too;
-    its ``torch.cuda.manual_seed`` is lazily queued and never executed without a GPU).
-    """
-    from megatron.core import tensor_parallel
-
-    torch.manual_seed(seed)
-    tensor_parallel.model_parallel_cuda_manual_seed(seed)
-
-
-def init_megatron_parallel_state(world_size: Optional[int] = None, seed: int = 1234, **kwargs):
-    """Initialise Megatron's parallel_state on top of an existing gloo default group.
-
-    ``initialize_model_parallel(1, 1)`` works unchanged on gloo (DP group = all ranks).
-    Must be called inside ``patch_megatron_for_cpu()`` (the RNG seeding uses patch 2).
-    Extra kwargs go to ``initialize_model_parallel``.
-    """
-    from megatron.core import parallel_state as ps
-
-    assert dist.is_initialized(), "call torch.distributed.init_process_group('gloo') first"
-    if world_size is not None:
-        assert dist.get_world_size() == world_size
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
-    kwargs.setdefault("tensor_model_parallel_size", 1)
-    kwargs.setdefault("pipeline_model_parallel_size", 1)
-    ps.initialize_model_parallel(**kwargs)
-    cpu_model_parallel_manual_seed(seed)
-
-
-def destroy_megatron_parallel_state():
-    from megatron.core import parallel_state as ps
-
-    ps.destroy_model_parallel()
+from megatron_fsdp_v2.megatron.cpu_compat import (  # noqa: E402  (re-exported)
+    cpu_model_parallel_manual_seed,
+    destroy_megatron_parallel_state,
+    init_megatron_parallel_state,
+    patch_megatron_for_cpu,
+)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -573,6 +276,8 @@ def train_reference(
     clip_grad: float = 0.0,
     micro_batch_size: Optional[int] = None,
     seq_length: Optional[int] = None,
+    weight_decay: float = 0.0,
+    adam_eps: Optional[float] = None,
 ) -> TrainResult:
     """Train the replicated unwrapped ``model`` with plain data parallelism as the reference.
 
@@ -581,7 +286,10 @@ def train_reference(
     finalize_model_grads`` and ``config.no_sync_func = wrapper.no_sync``, then steps the optimizer:
     ``"sgd"`` / ``"adamw"``: a torch optimizer on the parameters (weight decay 0, no clipping);
     ``"megatron_sgd"`` / ``"megatron_adam"``: ``get_megatron_optimizer`` with
-    ``use_distributed_optimizer=False`` (-> ``FP32Optimizer``), weight decay 0, ``clip_grad``.
+    ``use_distributed_optimizer=False`` (-> ``FP32Optimizer``), ``clip_grad`` and
+    ``weight_decay`` (default 0; applied per param group as ``weight_decay * wd_mult`` by a
+    constant ``OptimizerParamScheduler``, as Megatron-LM does: Megatron's standard overrides give
+    biases and 1-D parameters ``wd_mult=0``) and ``adam_eps`` (default: OptimizerConfig's).
 
     ``ddp="megatron"``: Megatron's ``DistributedDataParallel`` (fp32 ``param.main_grad`` buffers,
     pre-scale 1/dp + SUM all-reduce in ``finish_grad_sync``); before the step ``param.grad`` is
@@ -621,7 +329,7 @@ def train_reference(
         opt_config = OptimizerConfig(
             optimizer=optimizer[len("megatron_") :],
             lr=lr,
-            weight_decay=0.0,
+            weight_decay=weight_decay,
             clip_grad=clip_grad,
             bf16=False,
             fp16=False,
@@ -629,11 +337,17 @@ def train_reference(
             sgd_momentum=0.0,  # OptimizerConfig default is 0.9
             use_distributed_optimizer=False,
         )
+        if adam_eps is not None:
+            opt_config.adam_eps = adam_eps
         opt = get_megatron_optimizer(opt_config, [wrapped])
+        if weight_decay:
+            constant_param_scheduler(opt, lr, weight_decay)
     else:
         raise ValueError(optimizer)
     if clip_grad and not megatron_opt:
         raise ValueError("clip_grad needs a megatron_* optimizer")
+    if weight_decay and not megatron_opt:
+        raise ValueError("weight_decay needs a megatron_* optimizer")
 
     config.no_sync_func = wrapped.no_sync
     config.finalize_model_grads_func = finalize_model_grads
@@ -682,13 +396,28 @@ def train_reference(
     return TrainResult(losses, state, local_losses, grad_norms)
 
 
+def constant_param_scheduler(optimizer, lr: float, weight_decay: float):
+    """Megatron's ``OptimizerParamScheduler`` with constant lr and weight decay.
+
+    Constructing it sets every param group's ``lr`` and ``weight_decay = weight_decay * wd_mult``
+    (what Megatron-LM's training loop relies on for the standard no-weight-decay overrides).
+    """
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    return OptimizerParamScheduler(
+        optimizer, init_lr=lr, max_lr=lr, min_lr=lr, lr_warmup_steps=0, lr_decay_steps=1 << 30,
+        lr_decay_style="constant", start_wd=weight_decay, end_wd=weight_decay,
+        wd_incr_steps=1 << 30, wd_incr_style="constant",
+    )
+
+
 def reference_worker(rank: int, world_size: int, spec: Optional[Dict[str, Any]] = None) -> Dict:
     """Ready-made ``run_distributed`` target: build the tiny GPT and ``train_reference`` it.
 
     ``spec`` keys (defaults): model_seed=1234, data_seed=100 (rank r uses ``data_seed + r``
     unless ``batches`` is given), iters=3, num_microbatches=2, micro_batch_size=2, seq=16,
-    vocab=64, lr=0.5, ddp="megatron", optimizer="sgd", clip_grad=0.0, batches=None (explicit
-    list of micro-batches for this rank; a list of lists is indexed by rank).
+    vocab=64, lr=0.5, ddp="megatron", optimizer="sgd", clip_grad=0.0, weight_decay=0.0, adam_eps=None,
+    batches=None (explicit list of micro-batches for this rank; a list of lists is indexed by rank).
     Returns ``{"result": TrainResult, "init_state": initial state dict}``.
     """
     spec = dict(spec or {})
@@ -725,6 +454,8 @@ def _reference_worker_body(rank, spec, seq, vocab, iters, nmb):
         ddp=spec.get("ddp", "megatron"),
         optimizer=spec.get("optimizer", "sgd"),
         clip_grad=spec.get("clip_grad", 0.0),
+        weight_decay=spec.get("weight_decay", 0.0),
+        adam_eps=spec.get("adam_eps"),
     )
     return {"result": result, "init_state": init_state}
 

@@ -27,6 +27,9 @@ and no ZeRO-3: one root unit)                      buckets for the other strateg
                                                    locally and are reduced in ``finish_grad_sync``
                                                    (Megatron installs ``no_sync`` only with overlap)
 ``check_for_nan_in_grad``                          ``check_for_nan_in_grad``
+``calculate_per_token_loss``                       grads are DP means; ``scale_gradients`` (called
+                                                   by ``finalize_model_grads`` with 1/tokens)
+                                                   multiplies by the DP size to give Megatron's sums
 =================================================  ===============================================
 
 The class derives from Megatron's ``DistributedDataParallel`` (so ``training.py``'s
@@ -215,7 +218,8 @@ class FullyShardedDataParallel(DistributedDataParallel):
         pg_collection: process groups; ``pg_collection.dp`` is the data-parallel group. ``None``:
             Megatron's ``parallel_state``.
         fsdp_unit_modules: module classes whose instances are units (default ``TransformerLayer``).
-        full_param_layout, device: accepted for signature compatibility; must be ``None``.
+        full_param_layout: accepted for signature compatibility; must be ``None``.
+        device: optional check that every parameter already lives there (nothing is moved).
     """
 
     def __init__(
@@ -242,6 +246,13 @@ class FullyShardedDataParallel(DistributedDataParallel):
         if full_param_layout is not None:
             raise ValueError("full_param_layout: pre-computed Megatron DDP buffer layouts do not apply to "
                              "FullyShardedDataParallel; pass None.")
+        if device is not None:
+            want = torch.device(device)
+            elsewhere = sorted({str(p.device) for p in module.parameters()
+                                if p.device.type != want.type or want.index not in (None, p.device.index)})
+            if elsewhere:
+                raise ValueError(f"device={device}: module parameters are on {elsewhere}; move the module "
+                                 "before wrapping it.")
         problems = _unsupported_settings(config, ddp_config, module, _parallel_sizes(pg_collection))
         if problems:
             raise ValueError("FullyShardedDataParallel does not support: " + "; ".join(problems) + ".")
@@ -348,7 +359,13 @@ class FullyShardedDataParallel(DistributedDataParallel):
         self.module.finish_grad_sync()
 
     def scale_gradients(self, scaling_factor: float) -> None:
-        """Multiply the reduced gradients (call after ``finish_grad_sync``, as Megatron does)."""
+        """Multiply the reduced gradients (call after ``finish_grad_sync``, as Megatron does).
+
+        With ``config.calculate_per_token_loss`` Megatron's DDP *sums* gradients over the
+        data-parallel group and ``finalize_model_grads`` then calls this with 1 / (tokens in the
+        global batch); our reduction averages, so the factor is multiplied by the DP size here."""
+        if getattr(self.config, "calculate_per_token_loss", False):
+            scaling_factor = scaling_factor * dist.get_world_size(self.dp_group)
         with torch.no_grad():
             for group in self._engine.groups:
                 if group.reduce_pending:
@@ -449,5 +466,5 @@ class FullyShardedDataParallel(DistributedDataParallel):
 
     def sharded_state_dict(self, *args, **kwargs):
         raise NotImplementedError(
-            "FullyShardedDataParallel has no distributed (sharded_state_dict) checkpoint format yet; "
-            "save with --ckpt-format torch (state_dict_for_save_checkpoint) or run without --save.")
+            "FullyShardedDataParallel has no Megatron distributed-checkpoint (sharded_state_dict) support "
+            "yet; run without --save/--load, or use state_dict() / load_state_dict() (full tensors).")

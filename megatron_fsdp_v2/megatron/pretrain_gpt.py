@@ -26,9 +26,11 @@ How our class gets in (the hook is installed only inside ``main()``, by
   ``megatron_fsdp_v2.megatron.get_optimizer`` (weight decay by original parameter shapes, correct
   global grad norm over shards; see optimizer.py).
 
-The launcher also sets ``gradient_accumulation_fusion=False`` (the fused wgrad kernels write into
-``param.main_grad``, which our wrapper does not provide). Checkpoints: ``--save`` needs
-``--ckpt-format torch``; the distributed formats are not supported yet.
+Defaults: ``--tokenizer-type NullTokenizer`` (give ``--vocab-size``). The launcher also sets
+``gradient_accumulation_fusion=False`` (the fused wgrad kernels write into
+``param.main_grad``, which our wrapper does not provide). Checkpoints: Megatron's checkpointing
+(``--save`` / ``--load``) is not wired up yet (the wrapper's ``sharded_state_dict`` raises; its
+``state_dict()`` / ``load_state_dict()`` give and take full tensors); run without them.
 """
 
 from __future__ import annotations
@@ -50,6 +52,9 @@ logger = logging.getLogger(__name__)
 
 #: The class ``get_model`` builds for every model chunk under ``use_fully_sharded_data_parallel``.
 DATA_PARALLEL_CLASS = FullyShardedDataParallel
+
+#: Applied by Megatron's ``validate_args`` to arguments left unset on the command line.
+LAUNCHER_DEFAULTS = {"tokenizer_type": "NullTokenizer"}
 
 _FORBIDDEN_FLAGS = {
     "use_megatron_fsdp": "--use-megatron-fsdp selects Megatron's own FSDP; this launcher uses "
@@ -96,7 +101,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         logger.info("megatron_fsdp_v2: setting gradient_accumulation_fusion=False (needs param.main_grad)")
     args.gradient_accumulation_fusion = False
     args.mock_data = True
-    arguments.validate_args(args, {})
+    arguments.validate_args(args, dict(LAUNCHER_DEFAULTS))
     return args
 
 
@@ -226,6 +231,11 @@ def main(argv: Optional[List[str]] = None) -> None:
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
     from megatron.training.global_vars import set_global_variables
 
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "-h" in argv or "--help" in argv:
+        # Megatron-LM 0.19.2's own --help crashes (a help string holds a bare '%').
+        print(__doc__)
+        return
     args = parse_args(argv)
     set_global_variables(args)
     cfg = pretrain_cfg_container_from_args(args, model_cfg=None)

@@ -1,0 +1,333 @@
+"""``make demo``: a tiny Megatron GPT trained with every sharding strategy on CPU ranks.
+
+    python -m megatron_fsdp_v2.demo --nproc 2
+
+Starts ``--nproc`` processes joined by a gloo group. Each builds the same small Megatron-Core
+``GPTModel`` (local layer spec, fp32, ``use_cpu_initialization=True``), generates its own synthetic
+token data in-process, and trains it once per strategy with Megatron's machinery:
+``get_forward_backward_func()`` (``--micro-batches`` per step, all but the last inside
+``no_sync``), ``finalize_model_grads`` and Megatron's optimizer (Adam, grad clipping, weight
+decay; built by ``megatron_fsdp_v2.megatron.get_optimizer``). A first run uses Megatron's own
+``DistributedDataParallel`` as the reference. Then rank 0 prints one table:
+
+* final loss per run (equal across strategies) and the largest weight difference to the reference;
+* bytes moved per step (``comm_stats()``: an all-gather counts its gathered output, a
+  reduce-scatter its input, an all-reduce twice its tensor since it is a reduce-scatter plus an
+  all-gather) in units of Psi = bytes of all parameters, against the ZeRO count for k
+  micro-batches: DDP 2, ZeRO-1 2, ZeRO-2 k+1 (reduce-scatter every micro-batch keeps the
+  gradients sharded), ZeRO-3 3k (all-gather in forward and in backward, reduce-scatter);
+* persistent bytes per rank (weights, main weights, gradients, Adam state) against ZeRO's
+  formula for fp32 training (16 Psi for DDP down to 16 Psi / N for ZeRO-3).
+
+Megatron hard-codes CUDA in a few places; the workers apply the CPU patches of
+``megatron_fsdp_v2.megatron.cpu_compat`` (demo/test only, never used by the library itself).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+import os
+import socket
+import sys
+import time
+import warnings
+from typing import Dict, List
+
+import torch
+import torch.distributed as dist
+
+from .strategy import STRATEGY_NAMES
+
+ZERO_NAMES = {"no_shard": "DDP", "optim": "ZeRO-1", "optim_grads": "ZeRO-2", "optim_grads_params": "ZeRO-3"}
+REFERENCE = "megatron DDP"
+
+
+def _parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m megatron_fsdp_v2.demo", description=__doc__.split("\n\n")[0])
+    p.add_argument("--nproc", type=int, default=2, help="data-parallel CPU ranks (gloo)")
+    p.add_argument("--iters", type=int, default=30, help="optimizer steps per strategy")
+    p.add_argument("--micro-batches", type=int, default=2, help="micro-batches per step (k)")
+    p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--vocab", type=int, default=512)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--clip-grad", type=float, default=1.0)
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--seed", type=int, default=1234)
+    args = p.parse_args(argv)
+    if args.nproc < 1 or args.iters < 1 or args.micro_batches < 1:
+        p.error("--nproc, --iters and --micro-batches must be positive")
+    return args
+
+
+# ---------------------------------------------------------------------------------------------
+# Model, data, loss (worker side)
+# ---------------------------------------------------------------------------------------------
+
+
+def _build_gpt(opts):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(
+        num_layers=opts.layers, hidden_size=opts.hidden, num_attention_heads=opts.heads,
+        use_cpu_initialization=True, params_dtype=torch.float32, pipeline_dtype=torch.float32,
+        bf16=False, fp16=False, hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False,
+        masked_softmax_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
+        apply_rope_fusion=False,
+    )
+    state = torch.get_rng_state()
+    torch.manual_seed(opts.seed)  # same initial weights on every rank and for every run
+    try:
+        model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
+                         vocab_size=opts.vocab, max_sequence_length=opts.seq, pre_process=True,
+                         post_process=True, parallel_output=True, share_embeddings_and_output_weights=True,
+                         position_embedding_type="learned_absolute")
+    finally:
+        torch.set_rng_state(state)
+    return model, config
+
+
+def _batches(opts, dp_rank: int) -> List[Dict[str, torch.Tensor]]:
+    """This rank's micro-batches: sequences ``start + step * i (mod vocab)``, a learnable signal."""
+    g = torch.Generator().manual_seed(opts.seed + 1000 + dp_rank)
+    b, s = opts.micro_batch_size, opts.seq
+    causal = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1).view(1, 1, s, s)
+    positions = torch.arange(s).unsqueeze(0).expand(b, s)
+    out = []
+    for _ in range(opts.iters * opts.micro_batches):
+        start = torch.randint(0, opts.vocab, (b, 1), generator=g)
+        step = torch.randint(1, 8, (b, 1), generator=g)
+        tokens = (start + step * torch.arange(s + 1).unsqueeze(0)) % opts.vocab
+        out.append(dict(tokens=tokens[:, :-1].contiguous(), labels=tokens[:, 1:].contiguous(),
+                        loss_mask=torch.ones(b, s), attention_mask=causal, position_ids=positions))
+    return out
+
+
+def _loss_func(loss_mask, output_tensor):
+    """Megatron-LM 0.19 convention: (sum of token losses, number of tokens, report)."""
+    losses = output_tensor.view(-1).float()
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().clone().detach().to(torch.int)
+    return loss, num_tokens, {"lm loss": torch.cat([loss.detach().view(1), num_tokens.float().view(1)])}
+
+
+def _forward_step(data_iterator, model):
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
+    return output, functools.partial(_loss_func, batch["loss_mask"])
+
+
+# ---------------------------------------------------------------------------------------------
+# One training run (worker side)
+# ---------------------------------------------------------------------------------------------
+
+
+class _Progress:
+    """One text progress bar per run, printed by rank 0 (redrawn in place on a terminal)."""
+
+    def __init__(self, label: str, total: int, enabled: bool) -> None:
+        self.label, self.total, self.enabled = label, total, enabled
+        self.tty = sys.stdout.isatty()
+        self.start = time.time()
+
+    def update(self, done: int, loss: float) -> None:
+        if not self.enabled or (not self.tty and done < self.total):
+            return
+        width = 30
+        filled = int(width * done / self.total)
+        line = (f"  {self.label:<28} [{'#' * filled}{'.' * (width - filled)}] {done:>3}/{self.total}"
+                f"  loss {loss:7.4f}  {time.time() - self.start:5.1f}s")
+        print(("\r" if self.tty else "") + line, end="\n" if done == self.total else "", flush=True)
+
+
+def _optimizer_config(opts, distributed: bool):
+    from megatron.core.optimizer import OptimizerConfig
+
+    return OptimizerConfig(optimizer="adam", lr=opts.lr, weight_decay=opts.weight_decay, clip_grad=opts.clip_grad,
+                           bf16=False, fp16=False, params_dtype=torch.float32,
+                           use_distributed_optimizer=distributed)
+
+
+def _run(opts, batches, strategy: str, rank: int) -> dict:
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.optimizer import get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from .megatron import FullyShardedDataParallel, get_optimizer
+
+    model, config = _build_gpt(opts)
+    numel = sum(p.numel() for p in model.parameters())
+    reference = strategy == REFERENCE
+    if reference:
+        wrapped = DistributedDataParallel(config, DistributedDataParallelConfig(overlap_grad_reduce=True), model)
+        optimizer = get_megatron_optimizer(_optimizer_config(opts, False), [wrapped])
+    else:
+        ddp_config = DistributedDataParallelConfig(data_parallel_sharding_strategy=strategy, overlap_grad_reduce=True)
+        wrapped = FullyShardedDataParallel(config, ddp_config, model)
+        optimizer = get_optimizer(_optimizer_config(opts, True), [wrapped])
+        wrapped.reset_comm_stats()
+    OptimizerParamScheduler(optimizer, init_lr=opts.lr, max_lr=opts.lr, min_lr=opts.lr, lr_warmup_steps=0,
+                            lr_decay_steps=1 << 30, lr_decay_style="constant", start_wd=opts.weight_decay,
+                            end_wd=opts.weight_decay, wd_incr_steps=1 << 30, wd_incr_style="constant")
+    config.no_sync_func = wrapped.no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    forward_backward = get_forward_backward_func()
+    k = opts.micro_batches
+    label = REFERENCE if reference else f"{strategy} ({ZERO_NAMES[strategy]})"
+    progress = _Progress(label, opts.iters, enabled=rank == 0)
+    losses = []
+    for it in range(opts.iters):
+        wrapped.zero_grad_buffer()
+        optimizer.zero_grad()
+        store = forward_backward(forward_step_func=_forward_step, data_iterator=iter(batches[it * k:(it + 1) * k]),
+                                 model=[wrapped], num_microbatches=k, seq_length=opts.seq,
+                                 micro_batch_size=opts.micro_batch_size, forward_only=False)
+        total = torch.stack([d["lm loss"] for d in store]).sum(0).double()
+        dist.all_reduce(total, group=ps.get_data_parallel_group())
+        losses.append((total[0] / total[1]).item())
+        ok, _, _ = optimizer.step()
+        assert ok, "optimizer step failed"
+        progress.update(it + 1, losses[-1])
+    config.no_sync_func = config.finalize_model_grads_func = None
+
+    adam_bytes = sum(t.numel() * t.element_size() for state in optimizer.optimizer.state.values()
+                     for t in state.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
+    if reference:
+        comm = None
+        persistent = (sum(p.numel() * p.element_size() for p in model.parameters())
+                      + sum(b.grad_data.numel() * b.grad_data.element_size() for b in wrapped.buffers))
+        state = {key: v.detach().clone() for key, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+    else:
+        comm = wrapped.comm_stats()
+        persistent = wrapped.persistent_bytes()["total"]
+        state = wrapped.state_dict()
+    return dict(label=label, strategy=strategy, losses=losses, comm=comm, persistent=persistent,
+                adam=adam_bytes, state=state, numel=numel)
+
+
+# ---------------------------------------------------------------------------------------------
+# Table (rank 0)
+# ---------------------------------------------------------------------------------------------
+
+
+def _zero_theory(strategy: str, k: int, n: int) -> tuple:
+    """(bytes moved per step, persistent bytes per rank incl. Adam), in units of Psi (fp32 bytes)."""
+    moved = {"no_shard": 2, "optim": 2, "optim_grads": k + 1, "optim_grads_params": 3 * k}[strategy]
+    # fp32 everywhere: weights 4 (the main weights alias them for DDP), main 4, grads 4, Adam 8
+    per_param = {"no_shard": 4 + 4 + 8, "optim": 4 + 4 + (4 + 8) / n, "optim_grads": 4 + (4 + 4 + 8) / n,
+                 "optim_grads_params": 16 / n}[strategy]
+    return moved, per_param / 4   # persistent in units of Psi = 4 bytes x params
+
+
+def _table(rows: List[dict], opts, world: int) -> str:
+    k = opts.micro_batches
+    ref = next(r for r in rows if r["strategy"] == REFERENCE)
+    psi = 4 * ref["numel"]
+    mb = 1 / 2 ** 20
+    header = (f"{'run':<29}{'final loss':>10}{'|dW|/|W| vs ref':>17}{'moved/step':>12}{'= x Psi':>9}"
+              f"{'ZeRO x Psi':>11}{'persistent/rank':>17}{'ZeRO':>9}")
+    lines = [header, "-" * len(header)]
+    ref_norm = sum(v.double().pow(2).sum().item() for v in ref["state"].values()) ** 0.5
+    for r in rows:
+        dw = sum((r["state"][key] - ref["state"][key]).double().pow(2).sum().item() for key in ref["state"]) ** 0.5
+        persistent = r["persistent"] + r["adam"]
+        if r["comm"] is None:
+            moved = ratio = "-"
+            theory_moved = f"{2:>7}"
+            theory_mem = f"{4 * psi * mb:7.2f}MB"
+        else:
+            c = r["comm"]
+            moved_bytes = 2 * c["all_reduce"]["bytes"] + c["reduce_scatter"]["bytes"] + c["all_gather"]["bytes"]
+            per_step = moved_bytes / opts.iters
+            t_moved, t_mem = _zero_theory(r["strategy"], k, world)
+            moved, ratio, theory_moved = f"{per_step * mb:8.2f}MB", f"{per_step / psi:7.3f}", f"{t_moved:>7}"
+            theory_mem = f"{t_mem * psi * mb:7.2f}MB"
+        lines.append(f"{r['label']:<29}{r['losses'][-1]:>10.5f}{dw / ref_norm:>17.1e}{moved:>12}{ratio:>9}"
+                     f"{theory_moved:>11}{persistent * mb:>15.2f}MB{theory_mem:>9}")
+    lines += [
+        "",
+        f"Psi = {ref['numel']:,} parameters x 4 bytes = {psi * mb:.2f} MB, N = {world} ranks, k = {k} micro-batches "
+        f"per step, {opts.iters} steps.",
+        "moved/step: bytes entering collectives per step (an all-reduce counts as reduce-scatter + all-gather);",
+        "  ZeRO: DDP 2, ZeRO-1 2, ZeRO-2 k+1 (reduce-scatter per micro-batch), ZeRO-3 3k (2 all-gathers + 1 "
+        "reduce-scatter per micro-batch).",
+        "persistent/rank: weights + main weights + grads + Adam state on rank 0; ZeRO: fp32 4+4+8 bytes per "
+        "parameter, sharded parts / N.",
+        "|dW|/|W|: final weights vs Megatron's own DDP; fp32 rounding (shard-wise grad norms and reductions sum "
+        "in another order),",
+        "  which Adam magnifies on weights whose true gradient is 0 (e.g. the key part of the QKV bias).",
+    ]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Processes
+# ---------------------------------------------------------------------------------------------
+
+
+def _quiet() -> None:
+    warnings.filterwarnings("ignore")
+    for name in ("megatron", "torch.utils.cpp_extension", "torch.distributed"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+
+
+def _worker(rank: int, world: int, opts, port: int) -> None:
+    _quiet()
+    torch.set_num_threads(1)
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        from .megatron.cpu_compat import (
+            destroy_megatron_parallel_state,
+            init_megatron_parallel_state,
+            patch_megatron_for_cpu,
+        )
+
+        with patch_megatron_for_cpu():
+            init_megatron_parallel_state(world, seed=opts.seed)
+            try:
+                if rank == 0:
+                    print(f"Training a {opts.layers}-layer GPT (hidden {opts.hidden}, vocab {opts.vocab}, seq "
+                          f"{opts.seq}) on {world} gloo rank(s), {opts.iters} steps x {opts.micro_batches} "
+                          "micro-batches per run:", flush=True)
+                batches = _batches(opts, rank)
+                rows = [_run(opts, batches, name, rank) for name in (REFERENCE, *STRATEGY_NAMES)]
+                if rank == 0:
+                    print()
+                    print(_table(rows, opts, world), flush=True)
+            finally:
+                destroy_megatron_parallel_state()
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv=None) -> None:
+    opts = _parse(argv)
+    _quiet()
+    start = time.time()
+    import torch.multiprocessing as mp
+
+    mp.spawn(_worker, args=(opts.nproc, opts, _free_port()), nprocs=opts.nproc, join=True)
+    print(f"\ndone in {time.time() - start:.1f}s")
+
+
+if __name__ == "__main__":
+    main()

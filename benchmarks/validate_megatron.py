@@ -88,7 +88,7 @@ LAUNCHER_ARGS = ("--num-layers 2 --hidden-size 256 --num-attention-heads 4 --seq
                  "--max-position-embeddings 256 --micro-batch-size 2 --global-batch-size 8 --train-iters 5 "
                  "--lr 1e-4 --min-lr 1e-5 --lr-decay-style constant --bf16 --vocab-size 4096 --mock-data "
                  "--log-interval 1 --eval-iters 0 --eval-interval 1000 --transformer-impl local "
-                 "--no-gradient-accumulation-fusion --split 100,0,0")
+                 "--no-gradient-accumulation-fusion --no-persist-layer-norm --no-masked-softmax-fusion --split 100,0,0")
 
 
 def run_launcher(nproc: int) -> bool:

@@ -6,7 +6,8 @@ Usage (GPUs, torchrun; mock data, ``NullTokenizer``)::
         --data-parallel-sharding-strategy optim_grads_params \\
         --num-layers 4 --hidden-size 512 --num-attention-heads 8 --seq-length 1024 \\
         --max-position-embeddings 1024 --micro-batch-size 2 --global-batch-size 64 \\
-        --train-iters 100 --lr 3e-4 --bf16 --tokenizer-type NullTokenizer --vocab-size 32000
+        --train-iters 100 --lr 3e-4 --bf16 --tokenizer-type NullTokenizer --vocab-size 32000 \\
+        --transformer-impl local --no-persist-layer-norm --no-masked-softmax-fusion --mock-data
 
 Every argument is Megatron-LM's (``megatron.training.arguments``), parsed and validated by
 Megatron. ``--data-parallel-sharding-strategy {no_shard,optim,optim_grads,optim_grads_params}``
@@ -130,11 +131,38 @@ def use_fully_sharded_data_parallel():
 
     training.wrap_model_chunks_with_ddp = wrap_model_chunks
     training.get_megatron_optimizer = get_optimizer
+    with _prebuilt_dataset_helpers():
+        try:
+            yield
+        finally:
+            training.wrap_model_chunks_with_ddp = original_wrap
+            training.get_megatron_optimizer = original_get_optimizer
+
+
+@contextlib.contextmanager
+def _prebuilt_dataset_helpers():
+    """Skip Megatron's ``make`` of its dataset C++ helpers when the wheel already ships them.
+
+    ``initialize_megatron`` runs ``make -C megatron/core/datasets`` on rank 0; the megatron-core
+    wheel carries the compiled ``helpers_cpp`` extension but no Makefile, so ``make`` fails and
+    Megatron exits. When the prebuilt module imports, compiling is unnecessary."""
+    import os
+
+    from megatron.core.datasets import utils as dataset_utils
+
+    has_makefile = os.path.exists(os.path.join(os.path.dirname(dataset_utils.__file__), "Makefile"))
+    try:
+        from megatron.core.datasets import helpers_cpp  # noqa: F401
+        prebuilt = True
+    except ImportError:
+        prebuilt = False
+    original = dataset_utils.compile_helpers
+    if prebuilt and not has_makefile:
+        dataset_utils.compile_helpers = lambda: logger.info("using the prebuilt megatron dataset helpers")
     try:
         yield
     finally:
-        training.wrap_model_chunks_with_ddp = original_wrap
-        training.get_megatron_optimizer = original_get_optimizer
+        dataset_utils.compile_helpers = original
 
 
 # ---------------------------------------------------------------------------------------------

@@ -33,6 +33,13 @@ class MixedPrecisionPolicy:
                 continue
             if not isinstance(value, torch.dtype) or not value.is_floating_point:
                 raise ValueError(f"MixedPrecisionPolicy.{field} must be a floating torch.dtype, got {value!r}.")
+        if self.main_grads_dtype != self.main_params_dtype:
+            # The optimizer-facing ``.grad`` is a view of the reduced gradient buffer, and torch
+            # requires a parameter's .grad to have the parameter's dtype.
+            raise ValueError(
+                f"MixedPrecisionPolicy.main_grads_dtype must equal main_params_dtype "
+                f"({self.main_params_dtype}), got {self.main_grads_dtype}; use grad_comm_dtype to reduce "
+                f"gradients in a lower precision.")
 
 
 @dataclass(frozen=True)

@@ -184,7 +184,12 @@ def _mixed_precision(config: TransformerConfig, ddp_config: DistributedDataParal
         raise ValueError("config: bf16 and fp16 are both set; choose one (--bf16 or --fp16).")
     param_dtype = torch.bfloat16 if config.bf16 else torch.float16 if config.fp16 else None
     main = getattr(ddp_config, "megatron_fsdp_main_params_dtype", None) or torch.float32
-    grads = getattr(ddp_config, "megatron_fsdp_main_grads_dtype", None) or torch.float32
+    grads = getattr(ddp_config, "megatron_fsdp_main_grads_dtype", None) or main
+    if grads != main:
+        raise ValueError(
+            f"ddp_config.megatron_fsdp_main_grads_dtype must equal megatron_fsdp_main_params_dtype ({main}) "
+            f"with megatron_fsdp_v2, got {grads}; lower-precision gradient reduction is "
+            f"megatron_fsdp_grad_comm_dtype (or grad_reduce_in_fp32=False).")
     comm = getattr(ddp_config, "megatron_fsdp_grad_comm_dtype", None)
     if comm is None:
         comm = torch.float32 if (ddp_config.grad_reduce_in_fp32 or param_dtype is None) else param_dtype

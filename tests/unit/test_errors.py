@@ -60,6 +60,9 @@ def test_bad_mixed_precision(single_rank_group):
     with pytest.raises(ValueError, match=r"MixedPrecisionPolicy.main_params_dtype must be a floating torch.dtype, "
                                          r"got torch.int32"):
         MixedPrecisionPolicy(main_params_dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"main_grads_dtype must equal main_params_dtype \(torch.float32\), "
+                                         r"got torch.bfloat16"):
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, main_grads_dtype=torch.bfloat16)
 
 
 def test_not_a_module(single_rank_group):

@@ -515,3 +515,20 @@ def test_launcher_maps_strategy_flag_to_our_class(two_ranks):
     assert launcher["no_grad_accum_fusion"]
     assert "--use-megatron-fsdp" in launcher["use_megatron_fsdp"]
     assert "--use-torch-fsdp2" in launcher["use_torch_fsdp2"]
+
+
+def test_lower_precision_main_grads_are_rejected_naming_the_setting():
+    import types
+
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    from megatron_fsdp_v2.megatron.adapter import _mixed_precision
+
+    config = types.SimpleNamespace(bf16=True, fp16=False)
+    ddp_config = DistributedDataParallelConfig(megatron_fsdp_main_grads_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"ddp_config.megatron_fsdp_main_grads_dtype must equal "
+                                         r"megatron_fsdp_main_params_dtype \(torch.float32\)"):
+        _mixed_precision(config, ddp_config)
+    policy = _mixed_precision(config, DistributedDataParallelConfig(grad_reduce_in_fp32=False))
+    assert (policy.param_dtype, policy.main_grads_dtype, policy.grad_comm_dtype) == \
+        (torch.bfloat16, torch.float32, torch.bfloat16)

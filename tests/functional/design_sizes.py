@@ -1,0 +1,47 @@
+"""Sizes from docs/design.md, computed independently of the engine: each unit's padded flat-buffer
+length and the bytes a rank keeps per strategy (checked against the engine by test_gpu_memory.py
+and test_nccl_comm.py through ``harness``).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return (value + multiple - 1) // multiple * multiple
+
+
+def expected_group_numels(info: dict, dp: int, alignment: int) -> List[int]:
+    """Padded element count P of each unit's (single) group, root first then the layers in module
+    order: parameters in ``named_parameters`` order, each starting at a multiple of ``alignment``,
+    the buffer padded to a multiple of ``dp`` (docs/design.md, "Flat layout and padding")."""
+    units = [""] + list(info["unit_fqns"])
+    owned: Dict[str, List[str]] = {u: [] for u in units}
+    seen = set()
+    for name in info["order"]:
+        if name in seen or name not in info["numels"]:
+            continue
+        seen.add(name)
+        owner = max((u for u in units if u == "" or name.startswith(u + ".")), key=len)
+        owned[owner].append(name)
+    out = []
+    for unit in units:
+        cursor = 0
+        for name in owned[unit]:
+            cursor = _round_up(cursor, alignment) + info["numels"][name]
+        out.append(_round_up(cursor, dp))
+    return out
+
+
+def design_persistent_bytes(strategy: str, padded: List[int], dp: int, c: int, m: int, g: int,
+                            aliased: bool) -> dict:
+    """docs/design.md "Buffers a rank keeps", summed over groups."""
+    P = sum(padded)
+    shard = sum(p // dp for p in padded)
+    return {
+        "no_shard": {"model_weights": 0 if aliased else c * P, "main_weights": m * P, "grads": g * P},
+        "optim": {"model_weights": c * P, "main_weights": m * shard, "grads": g * P},
+        "optim_grads": {"model_weights": c * P, "main_weights": m * shard, "grads": g * shard},
+        "optim_grads_params": {"model_weights": 0, "main_weights": m * shard, "grads": g * shard},
+    }[strategy]

@@ -66,10 +66,6 @@ class Unit:
         for group in self.groups:
             group.reshard()
 
-    def trainable_groups_reduced(self) -> bool:
-        trainable = [g for g in self.groups if g.requires_grad]
-        return bool(trainable) and not any(g.has_unreduced_grads for g in trainable)
-
 
 class Engine:
     """Holds the units and runs the schedule above through hooks."""
@@ -247,9 +243,12 @@ class Engine:
         group.accumulate_grad(index, param.grad)
         param.grad = None
         if self._reducing_this_backward and group.all_grads_ready():
-            self._reduce(group)
-            if self.strategy.weights_sharded and not unit.is_root and unit.trainable_groups_reduced():
+            # Reshard first: the unit's weights are done, and their memory is then free for the
+            # reduce's dtype cast (keeps ZeRO-3 backward within 2 weight buffers + 1 grad buffer).
+            others_done = all(g is group or not g.requires_grad or g.reduced_this_backward for g in unit.groups)
+            if self.strategy.weights_sharded and not unit.is_root and others_done:
                 unit.reshard()
+            self._reduce(group)
 
     def _reduce(self, group: ParamGroup) -> None:
         self._wait_reduces()

@@ -76,12 +76,14 @@ class ParamGroup:
         )
         self._weights_key = (name, "model_weights")
         self._grad_key = (name, "full_grad")
+        self._comm_key = (name, "comm_grad")
         self._pending_unshard: Optional[PendingCollective] = None
         self._pending_reduce: Optional[PendingCollective] = None
         self.is_unsharded = False
         self._temp_grad: Optional[torch.Tensor] = None
         self.grads_ready = [False] * len(self.params)
         self.has_unreduced_grads = False
+        self.reduced_this_backward = False
         self._init_buffers()
 
     # ------------------------------------------------------------------ construction
@@ -192,7 +194,10 @@ class ParamGroup:
         """Add one parameter's fresh gradient into the full-size (persistent or temporary) buffer."""
         if self.strategy.grads_sharded:
             if not self.allocator.is_live(self._grad_key):
-                buffer = self.allocator.allocate(self._grad_key, self.layout.total_numel, self.dtypes.grad_comm,
+                # Each parameter's gradient arrives once per backward and is reduced in the same
+                # backward, so the temporary buffer holds it in the gradient's own (compute) dtype:
+                # nothing is lost, and a bf16 model's buffer is half the size of an fp32 one.
+                buffer = self.allocator.allocate(self._grad_key, self.layout.total_numel, self.dtypes.compute,
                                                  self.device)
                 buffer.zero_()
                 self._temp_grad = buffer
@@ -207,6 +212,7 @@ class ParamGroup:
     def begin_backward(self) -> None:
         """Readiness is per backward pass: a parameter counts once it got this pass's gradient."""
         self.grads_ready = [False] * len(self.params)
+        self.reduced_this_backward = False
 
     def all_grads_ready(self) -> bool:
         return all(self.grads_ready)
@@ -222,11 +228,7 @@ class ParamGroup:
         if self._pending_reduce is not None:
             raise RuntimeError(f"{self.name}: reduce_grad called while the previous reduce is still pending.")
         dp = self.comm.size
-        comm_dtype = self.dtypes.grad_comm
-        if self.strategy.grads_sharded:
-            full = self._temp_grad
-        else:
-            full = self.full_grad if self.full_grad.dtype == comm_dtype else self.full_grad.to(comm_dtype)
+        full, release_input = self._grad_comm_input()
 
         if self.strategy.grad_reduce_op == "all_reduce":
             work = self.comm.all_reduce(full, async_op=async_op)
@@ -235,17 +237,17 @@ class ParamGroup:
                 with torch.no_grad():
                     if full is not self.full_grad:
                         self.full_grad.copy_(full)
+                    release_input()
                     self.full_grad.div_(dp)
         else:
-            shard_out = torch.empty(self.layout.shard_numel, dtype=comm_dtype, device=self.device)
+            shard_out = torch.empty(self.layout.shard_numel, dtype=full.dtype, device=self.device)
             work = self.comm.reduce_scatter(shard_out, full, async_op=async_op)
 
             def on_complete(shard_out=shard_out):
                 with torch.no_grad():
+                    release_input()
                     if self.strategy.grads_sharded:
                         self.grad_shard.add_(shard_out.to(self.grad_shard.dtype), alpha=1.0 / dp)
-                        self.allocator.free(self._grad_key)
-                        self._temp_grad = None
                     else:
                         # Other ranks' regions hold this rank's unreduced sums, which nobody reads;
                         # zero them so an optimizer that zeroes only its own .grad views
@@ -256,10 +258,33 @@ class ParamGroup:
                         self.full_grad[start:end].copy_(shard_out).div_(dp)
 
         self._pending_reduce = PendingCollective(work if async_op else None, on_complete)
+        self.reduced_this_backward = True
         self.has_unreduced_grads = False
         self.grads_ready = [False] * len(self.params)
         if not async_op:
             self.wait_grad_reduce()
+
+    def _grad_comm_input(self):
+        """The full-size buffer to reduce, in ``grad_comm`` dtype, and how to release it afterwards.
+
+        A dtype cast goes through the allocator (key ``comm_grad``) so it is counted and bounded;
+        ZeRO-2/3's temporary grad buffer is released as soon as it has been cast."""
+        comm_dtype = self.dtypes.grad_comm
+        source = self._temp_grad if self.strategy.grads_sharded else self.full_grad
+        if source.dtype == comm_dtype:
+            if self.strategy.grads_sharded:
+                return source, self._release_temp_grad
+            return source, lambda: None
+        cast = self.allocator.allocate(self._comm_key, self.layout.total_numel, comm_dtype, self.device)
+        with torch.no_grad():
+            cast.copy_(source)
+        if self.strategy.grads_sharded:
+            self._release_temp_grad()
+        return cast, lambda: self.allocator.free(self._comm_key)
+
+    def _release_temp_grad(self) -> None:
+        self.allocator.free(self._grad_key)
+        self._temp_grad = None
 
     @property
     def reduce_pending(self) -> bool:

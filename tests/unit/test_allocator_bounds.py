@@ -293,6 +293,13 @@ def test_zero2_temporary_peak_within_zero1_persistent_grads(reports):
 @pytest.mark.parametrize("strategy", ["optim", "no_shard"])
 def test_unsharded_grad_strategies_make_no_temporaries(reports, strategy):
     for rank, config, result in _configs(reports, strategy):
+        if config[3] == BF16_GRADS:
+            # grads kept in bf16, reduced in fp32: the only temporary is the cast for the reduce,
+            # one group at a time (one unit of fp32 grads at most)
+            keys = {event[1][1] for event in result["events"]}
+            assert keys == {"comm_grad"}, (rank, config, keys)
+            assert 0 < result["peak_over_run"] <= 2 * result["sizes"]["unit_grad"], (rank, config)
+            continue
         assert result["peak_over_run"] == 0 and not result["events"], (rank, config, result["events"][:4])
         if config[1] == "trace_pool":
             # an empty trace plans an empty pool, and steps over it without ever re-planning

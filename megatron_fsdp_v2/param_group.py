@@ -154,10 +154,16 @@ class ParamGroup:
                 self.model_weights.copy_(self.main_shard)
 
     def _gather_into(self, full: torch.Tensor, async_op: bool) -> None:
-        shard = self.main_shard
-        if shard.dtype != full.dtype:
-            shard = shard.to(full.dtype)
-        work = self.comm.all_gather(full, shard, async_op=async_op)
+        """All-gather the main-weight shards into ``full`` in place.
+
+        This rank's shard is cast straight into its own slot of the output and gathered from
+        there (the in-place form NCCL and gloo accept), so no separate cast copy of the shard
+        lives while the collective is in flight."""
+        start, end = self.layout.shard_range(self.comm.rank)
+        slot = full[start:end]
+        with torch.no_grad():
+            slot.copy_(self.main_shard)
+        work = self.comm.all_gather(full, slot, async_op=async_op)
         self._pending_unshard = PendingCollective(work if async_op else None, lambda: None)
 
     def unshard(self, async_op: bool = True) -> None:

@@ -153,6 +153,14 @@ class ParamGroup:
             with torch.no_grad():
                 self.model_weights.copy_(self.main_shard)
 
+    def copy_main_weights_to_model_weights(self) -> None:
+        """Megatron's name for the weight refresh: make the compute weights equal the (updated) main
+        weights now. ZeRO-3 has no persistent compute weights: its all-gathers read the main shard."""
+        if self.strategy.weights_sharded:
+            return
+        self.refresh_weights_locally_or_gather(async_op=False)
+        self.wait_unshard()
+
     def _gather_into(self, full: torch.Tensor, async_op: bool) -> None:
         """All-gather the main-weight shards into ``full`` in place.
 

@@ -188,3 +188,15 @@ def test_fused_optimizer_updates_reach_the_next_forward():
         for strategy, (losses, same_as_full) in result.items():
             assert losses[0] != losses[1] != losses[2], strategy
             assert same_as_full, strategy
+
+
+def test_param_group_copies_main_weights_into_model_weights(single_rank_group):
+    for strategy in ("no_shard", "optim", "optim_grads"):
+        torch.manual_seed(0)
+        model = fully_shard(UnevenNet(), sharding_strategy=strategy, unit_modules=[Block])
+        group = model._fsdp.groups[1]
+        with torch.no_grad():
+            group.main_params[0].add_(1.0)         # an update the engine was not told about
+        group.copy_main_weights_to_model_weights()
+        full = model.full_state_dict()
+        assert torch.equal(group.params[0].detach(), full[group.param_names[0]]), strategy

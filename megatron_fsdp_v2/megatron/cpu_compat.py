@@ -9,7 +9,7 @@ only inside Megatron modules and only while the context manager is active:
 * nothing here is imported by ``megatron_fsdp_v2.megatron.adapter`` / ``optimizer`` /
   ``pretrain_gpt``: production (GPU) runs never see these patches.
 
-Users: ``megatron_fsdp_v2/demo.py`` (``make demo``) and the CPU tests (``tests/megatron_cpu.py``
+Users: ``megatron_fsdp_v2/megatron/demo.py`` (``make demo``) and the CPU tests (``tests/megatron_cpu.py``
 re-exports everything here). The patch list is in ``patch_megatron_for_cpu``'s docstring.
 """
 

@@ -1,6 +1,6 @@
 """``make demo``: a tiny Megatron GPT trained with every sharding strategy on CPU ranks.
 
-    python -m megatron_fsdp_v2.demo --nproc 2
+    python -m megatron_fsdp_v2.megatron.demo --nproc 2
 
 Starts ``--nproc`` processes joined by a gloo group. Each builds the same small Megatron-Core
 ``GPTModel`` (local layer spec, fp32, ``use_cpu_initialization=True``), generates its own synthetic
@@ -38,14 +38,14 @@ from typing import Dict, List
 import torch
 import torch.distributed as dist
 
-from .strategy import STRATEGY_NAMES
+from ..strategy import STRATEGY_NAMES
 
 ZERO_NAMES = {"no_shard": "DDP", "optim": "ZeRO-1", "optim_grads": "ZeRO-2", "optim_grads_params": "ZeRO-3"}
 REFERENCE = "megatron DDP"
 
 
 def _parse(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m megatron_fsdp_v2.demo", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m megatron_fsdp_v2.megatron.demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--nproc", type=int, default=2, help="data-parallel CPU ranks (gloo)")
     p.add_argument("--iters", type=int, default=30, help="optimizer steps per strategy")
     p.add_argument("--micro-batches", type=int, default=2, help="micro-batches per step (k)")
@@ -164,7 +164,7 @@ def _run(opts, batches, strategy: str, rank: int) -> dict:
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from .megatron import FullyShardedDataParallel, get_optimizer
+    from . import FullyShardedDataParallel, get_optimizer
 
     model, config = _build_gpt(opts)
     numel = sum(p.numel() for p in model.parameters())
@@ -289,7 +289,7 @@ def _worker(rank: int, world: int, opts, port: int) -> None:
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        from .megatron.cpu_compat import (
+        from .cpu_compat import (
             destroy_megatron_parallel_state,
             init_megatron_parallel_state,
             patch_megatron_for_cpu,

@@ -89,6 +89,7 @@ class Engine:
         self._main_weights_dirty = False
         self._awaiting_backward: Optional[str] = None   # "no_sync" / "sync" after a grad-enabled forward
         self._handles: list = []
+        self._reducing: list[ParamGroup] = []   # groups whose async reduce was issued, not yet waited
         self._main_param_ids = {id(m) for g in self.groups for m in g.main_params}
         self._register_hooks()
         watch_optimizer_steps(self)
@@ -239,7 +240,7 @@ class Engine:
         if param.grad is None:
             return
         if group.strategy.grads_sharded and not group.local_grad_buffer_live:
-            self._wait_reduces()          # bound: one full-size grad buffer in flight
+            self.wait_reduces()          # bound: one full-size grad buffer in flight
         group.accumulate_grad(index, param.grad)
         param.grad = None
         if self._reducing_this_backward and group.all_grads_ready():
@@ -251,13 +252,16 @@ class Engine:
             self._reduce(group)
 
     def _reduce(self, group: ParamGroup) -> None:
-        self._wait_reduces()
+        self.wait_reduces()
         group.reduce_grad(async_op=True)
+        if group.reduce_pending:
+            self._reducing.append(group)
 
-    def _wait_reduces(self) -> None:
-        for group in self.groups:
-            if group.reduce_pending:
-                group.wait_grad_reduce()
+    def wait_reduces(self) -> None:
+        """Wait for the reduces in flight (at most one from the schedule) without scanning all groups."""
+        reducing, self._reducing = self._reducing, []
+        for group in reducing:
+            group.wait_grad_reduce()
 
     def _post_backward_final(self) -> None:
         self._final_callback_queued = False
@@ -265,7 +269,7 @@ class Engine:
             for group in self.groups:
                 if group.has_unreduced_grads:
                     self._reduce(group)
-            self._wait_reduces()
+            self.wait_reduces()
             self._expose_grads()
         if self.strategy.weights_sharded:
             for unit in self.units:
@@ -358,12 +362,11 @@ class Engine:
         if self.state is TrainingState.BACKWARD:
             raise RuntimeError("finish_grad_sync() called during backward; call it after backward returns.")
         self.start_grad_sync()
-        self._wait_reduces()
+        self.wait_reduces()
         self._expose_grads()
 
     def zero_grad_buffer(self) -> None:
+        self.wait_reduces()
         for group in self.groups:
-            if group.reduce_pending:
-                group.wait_grad_reduce()
             group.zero_grad_buffers()
         self._grads_exposed = False

@@ -371,10 +371,9 @@ class FullyShardedDataParallel(DistributedDataParallel):
         global batch); our reduction averages, so the factor is multiplied by the DP size here."""
         if getattr(self.config, "calculate_per_token_loss", False):
             scaling_factor = scaling_factor * dist.get_world_size(self.dp_group)
+        self._engine.wait_reduces()
         with torch.no_grad():
             for group in self._engine.groups:
-                if group.reduce_pending:
-                    group.wait_grad_reduce()
                 for buffer in (group.full_grad, group.grad_shard):
                     if buffer is not None:
                         buffer.mul_(scaling_factor)
@@ -392,9 +391,7 @@ class FullyShardedDataParallel(DistributedDataParallel):
             group.wait_unshard()
 
     def synchronize_gradient_reduce(self) -> None:
-        for group in self._engine.groups:
-            if group.reduce_pending:
-                group.wait_grad_reduce()
+        self._engine.wait_reduces()
 
     def stop_communication(self) -> None:
         """Wait for every outstanding reduce and all-gather."""

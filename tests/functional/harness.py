@@ -1,7 +1,7 @@
 """Shared machinery of the functional suite: the process group, a Megatron GPT and its data. The
 training loops (Megatron's own DDP as the reference, ours through the Megatron adapter or, when the
 adapter is not importable, ``fully_shard`` with a plain loop), the cached loss curves and the golden
-file live in ``training.py``; the sizes docs/design.md predicts in ``design_sizes.py``. Both are
+file live in ``training.py``; the sizes docs/design.md predicts in ``tests/design_sizes.py`` (shared with the CPU suite). Both are
 re-exported at the end of this module, so tests keep using ``harness.<name>``.
 
 
@@ -359,11 +359,11 @@ def batches(spec: GPTSpec, rank: int, world: World, n: Optional[int] = None) -> 
 
 # ---------------------------------------------------------------------------------------------
 # Re-exports: the training loops, curves and golden file (training.py) and the design sizes
-# (design_sizes.py), under the names the tests and benchmarks/validate_megatron.py use. Imported
+# (tests/design_sizes.py), under the names the tests and benchmarks/validate_megatron.py use. Imported
 # last: both modules import the names above from here.
 # ---------------------------------------------------------------------------------------------
 
-from .design_sizes import design_persistent_bytes, expected_group_numels  # noqa: E402,F401
+from tests.design_sizes import design_persistent_bytes, expected_group_numels  # noqa: E402,F401
 from .training import (Curve, _megatron_schedule_loop, _optimizer_config, _train_with_adapter,  # noqa: E402,F401
                        adapter_status, curve, golden_meta, golden_path, load_golden, measured_entry,
                        merge_golden, plain_step, relative_gaps, save_golden, shard_gpt, state_digest,

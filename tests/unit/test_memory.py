@@ -7,6 +7,8 @@ import torch
 
 from megatron_fsdp_v2 import STRATEGY_NAMES, fully_shard
 
+from tests.design_sizes import design_persistent_bytes
+
 from .dist_utils import run_distributed
 from .models import Block, UnevenNet
 from .scenarios import sharded_run
@@ -27,15 +29,7 @@ def memory_worker(rank, world_size):
 def formula(strategy, unit_numels, dp, compute=4, main=4, grad=4):
     """docs/design.md: bytes a rank keeps between steps (P = a group's numel padded to dp)."""
     padded = [math.ceil(n / dp) * dp for n in unit_numels]
-    P = sum(padded)
-    shard = P // dp
-    aliased = compute == main
-    return {
-        "no_shard": {"model_weights": 0 if aliased else compute * P, "main_weights": main * P, "grads": grad * P},
-        "optim": {"model_weights": compute * P, "main_weights": main * shard, "grads": grad * P},
-        "optim_grads": {"model_weights": compute * P, "main_weights": main * shard, "grads": grad * shard},
-        "optim_grads_params": {"model_weights": 0, "main_weights": main * shard, "grads": grad * shard},
-    }[strategy]
+    return design_persistent_bytes(strategy, padded, dp, compute, main, grad, aliased=compute == main)
 
 
 @pytest.mark.parametrize("dp_size", [2, 4])

@@ -1,6 +1,6 @@
 """Sizes from docs/design.md, computed independently of the engine: each unit's padded flat-buffer
-length and the bytes a rank keeps per strategy (checked against the engine by test_gpu_memory.py
-and test_nccl_comm.py through ``harness``).
+length and the bytes a rank keeps per strategy. Used by the CPU suite (tests/unit/test_memory.py)
+and the GPU suite (tests/functional, through ``harness``).
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ setup(
     python_requires=">=3.10",
     install_requires=["torch", "numpy", "packaging"],
     extras_require={
-        "megatron": ["megatron-core==0.19.2"],
+        # psutil: megatron.core.dist_checkpointing's checkpoint writer (--ckpt-format torch_dist)
+        "megatron": ["megatron-core==0.19.2", "psutil"],
         "test": ["pytest", "hypothesis"],
         "te": ["transformer-engine"],
         "bench": ["matplotlib"],

@@ -85,7 +85,8 @@ class FlatRangeShard(torch.Tensor):
         self.flat_end = flat_start + local_flat.numel()
         self.boxes = flat_range_boxes(tuple(shape), flat_start, self.flat_end)
 
-    def _pieces(self):
+    def pieces(self):
+        """(offsets, sizes, view of local_flat) for each box, in flat order."""
         position = 0
         for offsets, sizes in self.boxes:
             numel = math.prod(sizes)
@@ -97,13 +98,13 @@ class FlatRangeShard(torch.Tensor):
         properties = TensorProperties(dtype=self.dtype)
         return [WriteItem(index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
                           tensor_data=TensorWriteData(ChunkStorageMetadata(offsets, sizes), properties, self.shape))
-                for offsets, sizes, _ in self._pieces()]
+                for offsets, sizes, _ in self.pieces()]
 
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
-        return [ChunkStorageMetadata(offsets, sizes) for offsets, sizes, _ in self._pieces()]
+        return [ChunkStorageMetadata(offsets, sizes) for offsets, sizes, _ in self.pieces()]
 
     def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
-        for offsets, _, piece in self._pieces():
+        for offsets, _, piece in self.pieces():
             if offsets == index.offset:
                 return piece
         raise ValueError(f"{index.fqn}: this rank holds no chunk at offset {index.offset}; its boxes are {self.boxes}.")

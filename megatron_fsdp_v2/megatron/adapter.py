@@ -58,12 +58,14 @@ from typing import List, Optional, Sequence
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.nn.modules.module import _IncompatibleKeys
 
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed.data_parallel_base import _BaseDataParallel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from ..fully_shard import fully_shard
+from .dist_checkpoint import install_model_checkpointing, model_sharded_state_dict, model_values_from_loaded
 from ..mixed_precision import MixedPrecisionPolicy
 from ..strategy import STRATEGY_NAMES, get_strategy
 
@@ -296,6 +298,9 @@ class FullyShardedDataParallel(DistributedDataParallel):
         from megatron.core.transformer.module import Float16Module
 
         self._ckpt_prefix = "module." if isinstance(module, Float16Module) else ""
+        # Megatron-LM's save_checkpoint asks unwrap_model(self) (below Float16Module) for its
+        # sharded_state_dict: route that to ours.
+        install_model_checkpointing(module.module if self._ckpt_prefix else module, self)
         self._annotate_main_params()
         logger.info("megatron_fsdp_v2 FullyShardedDataParallel: strategy=%s dp=%d units=%d policy=%s",
                     strategy.name, dist.get_world_size(dp_group), len(self._engine.units), policy)
@@ -457,16 +462,31 @@ class FullyShardedDataParallel(DistributedDataParallel):
         return out
 
     def state_dict_for_save_checkpoint(self, prefix: str = "", keep_vars: bool = False):
+        """Full tensors, like Megatron DDP's (Megatron-LM's ``torch`` format saves them from one
+        rank). For sharded saves use ``sharded_state_dict`` (``--ckpt-format torch_dist``)."""
         return self.state_dict(prefix=prefix, keep_vars=keep_vars)
 
-    def load_state_dict(self, state_dict, strict: bool = True) -> None:
-        """Load full tensors (keys as ``state_dict()`` gives them); each rank keeps its shard.
-        ``*._extra_state`` entries (Transformer Engine metadata) are skipped."""
-        full = OrderedDict((self._ckpt_prefix + k, v) for k, v in state_dict.items()
-                           if not k.endswith("._extra_state"))
-        self.module.load_full_state_dict(full, strict=strict)
+    def _checkpoint_values(self) -> "OrderedDict[str, torch.Tensor]":
+        """The core's DCP state dict (this rank's shards) under ``state_dict()``'s keys."""
+        cut = len(self._ckpt_prefix)
+        return OrderedDict((key[cut:] if key.startswith(self._ckpt_prefix) else key, value)
+                           for key, value in self.module.state_dict().items())
 
-    def sharded_state_dict(self, *args, **kwargs):
-        raise NotImplementedError(
-            "FullyShardedDataParallel has no Megatron distributed-checkpoint (sharded_state_dict) support "
-            "yet; run without --save/--load, or use state_dict() / load_state_dict() (full tensors).")
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+        """Megatron's distributed-checkpoint dict (``dist_checkpointing.save`` / ``load``): every
+        parameter and buffer under its ``state_dict()`` key as ShardedTensors of this rank's shard
+        (dist_checkpoint.py, [Note: our shards as Megatron ShardedTensors]). The unwrapped module
+        Megatron-LM's ``save_checkpoint`` asks gives the same. ``metadata`` is accepted and unused."""
+        return model_sharded_state_dict(self._checkpoint_values(), dist.get_rank(self.dp_group), prefix,
+                                        sharded_offsets)
+
+    def load_state_dict(self, state_dict, strict: bool = True):
+        """Load full tensors (keys as ``state_dict()`` gives them) or what ``dist_checkpointing.load``
+        returned for ``sharded_state_dict()``, from any dp size and strategy; each rank keeps its
+        shard. ``*._extra_state`` entries (Transformer Engine metadata) are skipped."""
+        state_dict = OrderedDict((k, v) for k, v in state_dict.items() if not k.endswith("._extra_state"))
+        values = model_values_from_loaded(self._checkpoint_values(), state_dict)
+        result = self.module.load_state_dict(OrderedDict((self._ckpt_prefix + k, v) for k, v in values.items()),
+                                             strict=strict)
+        cut = len(self._ckpt_prefix)
+        return _IncompatibleKeys([k[cut:] for k in result.missing_keys], [k[cut:] for k in result.unexpected_keys])

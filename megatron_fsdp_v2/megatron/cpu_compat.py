@@ -232,6 +232,10 @@ _MODULES_WITH_CPU_TORCH = {
     "megatron.core.optimizer.optimizer": "Megatron optimizer scalars",
     # get_grad_norm_fp32 / count_zeros_fp32: total_norm etc. on 'cuda'
     "megatron.core.optimizer.clip_grads": "grad-norm accumulators",
+    # dist_checkpointing.save: FileSystemWriterAsync.preload_tensors calls torch.cuda.synchronize()
+    "megatron.core.dist_checkpointing.strategies.filesystem_async": "checkpoint writer sync",
+    # save_state_dict_async_finalize: the all-ranks failure flag is a tensor on 'cuda'
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver": "checkpoint failure flag",
 }
 
 
@@ -248,7 +252,9 @@ def patch_megatron_for_cpu():
          embeddings even with dropout 0; ``model_parallel_cuda_manual_seed`` calls ``add``).
       3. The global name ``torch`` inside ``pipeline_parallel.schedules`` (``total_num_tokens``),
          ``distributed.param_and_grad_buffer`` (Megatron DDP grad buffers, streams),
-         ``optimizer.optimizer`` and ``optimizer.clip_grads`` (scalar tensors on 'cuda') becomes a
+         ``optimizer.optimizer``, ``optimizer.clip_grads`` (scalar tensors on 'cuda') and
+         ``dist_checkpointing.strategies.filesystem_async`` / ``state_dict_saver``
+         (``torch.cuda.synchronize``, a failure flag on 'cuda') becomes a
          shim mapping ``device="cuda"`` factories and
          ``torch.cuda.current_device()/current_stream()/stream()`` to CPU / no-ops.
       4. ``clip_grad_by_total_norm_fp32`` (asserts ``grad.type() == 'torch.cuda.FloatTensor'``)

@@ -4,7 +4,7 @@
 ``megatron.core.optimizer.get_megatron_optimizer`` and returns what it returns, built on the
 wrapper's main weights (``wrapper.named_parameters()``: this rank's fp32 shard of each parameter,
 1-D for the sharded strategies). It differs from calling ``get_megatron_optimizer`` directly in
-three places, each because the optimizer-facing parameters are flat shards:
+four places, each because the optimizer-facing parameters are flat shards:
 
 1. **Weight decay by original shape.** Megatron's standard overrides skip weight decay for
    ``len(param.shape) == 1`` or names ending in ``.bias``: on 1-D shards every matrix would lose
@@ -24,9 +24,15 @@ three places, each because the optimizer-facing parameters are flat shards:
    runs over the data-parallel group; ``no_shard``: grads are replicated, so it runs over the
    model-parallel group only (summing replicas would make the norm sqrt(dp) too large).
 
+4. **Checkpoints.** Each leaf optimizer gets ``ShardedOptimizerCheckpoint`` (dist_checkpoint.py):
+   ``sharded_state_dict`` / ``load_state_dict`` for Megatron's ``dist_checkpointing``
+   (``--ckpt-format torch_dist``), resharding across dp sizes and strategies; Megatron's own
+   version only knows Megatron-FSDP's DTensors on this path.
+
 Calling ``get_megatron_optimizer`` directly also works for ``adam`` with
 ``use_distributed_optimizer=True`` (what ``--use-megatron-fsdp`` forces): Megatron then picks the
-same groups as item 3; only item 1 needs ``config_overrides=with_original_shapes(...)``.
+same groups as item 3; item 1 needs ``config_overrides=with_original_shapes(...)`` and item 4
+``install_optimizer_checkpointing(optimizer, model_chunks)``.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ from megatron.core.optimizer import (
 from megatron.core.optimizer.optimizer_config import ParamWithNamePredicate
 
 from .adapter import ORIGINAL_SHAPE_ATTR, FullyShardedDataParallel
+from .dist_checkpoint import install_optimizer_checkpointing
 
 
 def _stand_in(param: torch.Tensor) -> torch.Tensor:
@@ -145,4 +152,5 @@ def get_optimizer(
         # groups are trivial here, the wrapper rejects TP/PP/CP/EP > 1).
         for leaf in _leaf_optimizers(optimizer):
             leaf.grad_stats_parallel_group = chunks[0].dp_group
+    install_optimizer_checkpointing(optimizer, chunks)
     return optimizer

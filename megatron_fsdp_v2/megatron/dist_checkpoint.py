@@ -1,0 +1,243 @@
+"""Megatron's own checkpointing (``megatron.core.dist_checkpointing``; ``--ckpt-format torch_dist``,
+Megatron-LM's default) for ``FullyShardedDataParallel`` chunks and the optimizers ``get_optimizer``
+builds.
+
+Megatron-LM's ``save_checkpoint`` asks the *unwrapped* model (``unwrap_model`` strips our wrapper
+and ``Float16Module``) for ``sharded_state_dict(metadata=...)`` and the optimizer for
+``sharded_state_dict(model_sd, metadata=...)``, writes both with ``dist_checkpointing.save``; its
+``load_checkpoint`` builds the same dicts with ``is_loading=True``, fills them with
+``dist_checkpointing.load`` and hands the result to ``ddp_model.load_state_dict`` and
+``optimizer.load_state_dict``. Megatron's ``DistributedOptimizer`` on its ``use_megatron_fsdp``
+path only knows Megatron-FSDP's DTensor format, so ``get_optimizer`` gives each of its leaf
+optimizers ``ShardedOptimizerCheckpoint`` and the wrapper gives the unwrapped module
+``ShardedModelCheckpoint``; both build on the core's DCP state dicts (checkpoint.py).
+
+[Note: our shards as Megatron ShardedTensors]
+The values are the ones ``dcp.save`` gets from the core (checkpoint.py, [Note: the checkpoint
+format]): keys are parameter names, shapes the original shapes, so checkpoints reshard across
+data-parallel sizes and strategies. Each value becomes:
+
+* a ``FlatRangeShard`` (one rank's flat range of a parameter or of its per-element optimizer state)
+  -> ``{"box0": ShardedTensor, "box1": ...}``, one ShardedTensor per box of the range
+  (dcp_format.py, [Note: flat ranges as DCP chunks]), all under the tensor's key, with
+  ``axis_fragmentations=None``: Megatron's uneven sharding, which it hands to DCP chunk by chunk.
+  The data are views of the main weights / optimizer state. A dict, not a list: Megatron merges the
+  loaded tensors into rank 0's common state, and lists of different lengths (a rank with no box
+  has none) do not merge;
+* a replicated tensor (``no_shard`` weights, buffers, Adam's ``step``) -> one ShardedTensor with
+  ``replica_id`` = data-parallel rank, so rank 0 writes it; 0-d tensors travel as shape ``(1,)``;
+* optimizer hyperparameters -> common state (rank 0's ``common.pt``), as Megatron stores its own.
+
+``dist_checkpointing.load`` returns the same structure with tensors in place of ShardedTensors;
+``from_loaded`` turns a box dict back into this rank's ``FlatRangeShard`` and the core's loaders
+copy it into place. The model keys are the parameter names (``decoder.layers.0.mlp...``), not
+Megatron DDP's layer-stacked keys: these checkpoints load into ``FullyShardedDataParallel`` at any
+dp size and strategy, not into Megatron's own DDP.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import OrderedDict
+
+import torch
+
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+from ..checkpoint import load_optimizer_state_dict, model_state_dict, optimizer_state_dict
+from ..dcp_format import FlatRangeShard
+
+__all__ = ["FORMAT_KEY", "ShardedModelCheckpoint", "ShardedOptimizerCheckpoint", "from_loaded",
+           "install_optimizer_checkpointing", "to_sharded"]
+
+#: Marks an optimizer sharded state dict as ours; its value is the format version.
+FORMAT_KEY = "megatron_fsdp_v2_format"
+FORMAT_VERSION = 1
+
+
+def _describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    if isinstance(value, dict):
+        return f"a dict with keys {sorted(map(str, value))[:8]}"
+    return type(value).__name__
+
+
+def to_sharded(key: str, value: torch.Tensor, dp_rank: int):
+    """One value of a core DCP state dict -> what Megatron's ``dist_checkpointing`` saves for it."""
+    if isinstance(value, FlatRangeShard):
+        global_shape = tuple(value.shape) or (1,)
+        boxes = {}
+        for i, (offsets, sizes, piece) in enumerate(value.pieces()):
+            if not value.shape:     # a 0-d tensor travels as shape (1,)
+                offsets, sizes, piece = (0,), (1,), piece.reshape(1)
+            boxes[f"box{i}"] = ShardedTensor(key=key, data=piece, dtype=piece.dtype, local_shape=tuple(sizes),
+                                             global_shape=global_shape, global_offset=tuple(offsets),
+                                             axis_fragmentations=None, replica_id=0)
+        return boxes
+    if isinstance(value, torch.Tensor):
+        data = value.detach().reshape(tuple(value.shape) or (1,))
+        return ShardedTensor.from_rank_offsets(key, data, replica_id=dp_rank)
+    raise TypeError(f"{key}: only tensors can be checkpointed, got {type(value).__name__}.")
+
+
+def from_loaded(key: str, template: torch.Tensor, loaded) -> torch.Tensor:
+    """What ``dist_checkpointing.load`` returned for ``to_sharded(key, template)`` -> a value of the
+    template's kind (this rank's ``FlatRangeShard``, or a tensor of the template's shape)."""
+    if isinstance(template, FlatRangeShard):
+        count = len(template.boxes)
+        if count == 0:
+            local = template.local_flat.new_empty(0)
+        elif isinstance(loaded, dict) and all(f"box{i}" in loaded for i in range(count)):
+            local = torch.cat([loaded[f"box{i}"].reshape(-1) for i in range(count)])
+        else:
+            raise ValueError(f"{key}: expected this rank's {count} boxes {{'box0': tensor, ...}}, as "
+                             f"dist_checkpointing.load returns them for sharded_state_dict(), got {_describe(loaded)}.")
+        if local.numel() != template.local_flat.numel():
+            raise ValueError(f"{key}: the loaded boxes hold {local.numel()} elements, this rank owns "
+                             f"{template.local_flat.numel()}; load with this model's own sharded_state_dict().")
+        return FlatRangeShard(template.shape, local.to(template.dtype), template.flat_start)
+    if isinstance(loaded, torch.Tensor) and loaded.numel() == template.numel():
+        return loaded.reshape(template.shape)
+    raise ValueError(f"{key}: expected a tensor of shape {tuple(template.shape)}, got {_describe(loaded)}.")
+
+
+def holds_nothing(template) -> bool:
+    """A ``FlatRangeShard`` of which this rank owns no element: ``to_sharded`` gives an empty box
+    dict, which ``dist_checkpointing.load`` drops from the result."""
+    return isinstance(template, FlatRangeShard) and not template.boxes
+
+
+def _with_mixin(obj, mixin: type) -> None:
+    """Give ``obj`` the methods of ``mixin`` by swapping its class for a subclass whose own dict
+    holds them (a second base would change the instance layout of Megatron's optimizers, which
+    Python refuses for ``__class__`` assignment). The subclass keeps the original class name:
+    Megatron logs it."""
+    cls = type(obj)
+    if getattr(cls, "_fsdp_v2_mixin", None) is mixin:
+        return
+    swapped = _SWAPPED.get((mixin, cls))
+    if swapped is None:
+        methods = {k: v for k, v in vars(mixin).items() if callable(v) and not k.startswith("__")}
+        swapped = type(cls.__name__, (cls,), {**methods, "_fsdp_v2_mixin": mixin, "__module__": cls.__module__,
+                                              "__doc__": f"{cls.__doc__ or ''}\n\n{mixin.__doc__}"})
+        _SWAPPED[(mixin, cls)] = swapped
+    obj.__class__ = swapped
+
+
+_SWAPPED: dict = {}
+
+
+# ---------------------------------------------------------------- model
+class ShardedModelCheckpoint:
+    """Gives the module Megatron-LM's checkpointing sees (``unwrap_model`` of our wrapper) a
+    ``sharded_state_dict`` built from the wrapper's shards, not from its own (possibly freed)
+    compute weights. Installed by ``FullyShardedDataParallel``."""
+
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
+        wrapper = self._fsdp_v2_wrapper()
+        if wrapper is None:
+            raise RuntimeError("sharded_state_dict: the FullyShardedDataParallel wrapper of this module is gone.")
+        return wrapper.sharded_state_dict(prefix=prefix, sharded_offsets=sharded_offsets, metadata=metadata)
+
+
+def install_model_checkpointing(module: torch.nn.Module, wrapper) -> None:
+    """Route ``module.sharded_state_dict`` to ``wrapper`` (``module``: what ``unwrap_model`` returns)."""
+    _with_mixin(module, ShardedModelCheckpoint)
+    object.__setattr__(module, "_fsdp_v2_wrapper", weakref.ref(wrapper))
+
+
+def model_sharded_state_dict(values: "OrderedDict[str, torch.Tensor]", dp_rank: int, prefix: str = "",
+                             sharded_offsets: tuple = ()) -> dict:
+    """``sharded_state_dict`` of a model whose core DCP values are ``values`` (keys as
+    ``state_dict()`` gives them)."""
+    if sharded_offsets:
+        raise ValueError(f"sharded_state_dict: sharded_offsets are for pipeline-parallel layer offsets, which "
+                         f"FullyShardedDataParallel does not support (PP=1); got {sharded_offsets!r}.")
+    return {prefix + key: to_sharded(prefix + key, value, dp_rank) for key, value in values.items()}
+
+
+def model_values_from_loaded(values: "OrderedDict[str, torch.Tensor]", state_dict: dict) -> "OrderedDict":
+    """``state_dict`` as ``load_state_dict`` got it (full tensors, or ``dist_checkpointing.load``'s
+    result for ``sharded_state_dict()``) -> values the core's ``load_state_dict`` takes."""
+    out = OrderedDict()
+    for key, value in state_dict.items():
+        template = values.get(key)
+        if template is not None and (isinstance(value, dict) or (isinstance(value, torch.Tensor)
+                                                                 and value.shape != template.shape)):
+            value = from_loaded(key, template, value)
+        out[key] = value
+    if any(isinstance(v, dict) for v in state_dict.values()):   # a dist_checkpointing.load result
+        out.update((key, from_loaded(key, template, {})) for key, template in values.items()
+                   if key not in out and holds_nothing(template))
+    return out
+
+
+# ---------------------------------------------------------------- optimizer
+class ShardedOptimizerCheckpoint:
+    """A Megatron optimizer (``DistributedOptimizer`` / ``FP32Optimizer`` leaf) over our main
+    weights that checkpoints through ``dist_checkpointing``: Megatron's own ``sharded_state_dict``
+    only knows Megatron-FSDP's DTensors on this path. Installed by ``get_optimizer``."""
+
+    # install_optimizer_checkpointing sets _fsdp_v2_model (the fully_shard root whose main weights
+    # it steps) and _fsdp_v2_dp_rank.
+
+    def sharded_state_dict(self, model_sharded_state_dict=None, is_loading: bool = False, sharding_type=None,
+                           metadata=None, **unused):
+        """``{FORMAT_KEY: 1, "state": {...}, "param_groups": {...}[, "grad_scaler": ...]}``; per-parameter
+        state under ``optimizer.state.<param name>.<key>`` (see the module note). With no state yet
+        (before the first step, or ``is_loading``), the state torch.optim would create is used."""
+        values = optimizer_state_dict(self._fsdp_v2_model, self.optimizer)
+        state = {k: to_sharded(f"optimizer.{k}", v, self._fsdp_v2_dp_rank)
+                 for k, v in values.items() if not k.startswith("param_groups.")}
+        groups = {k: v for k, v in values.items() if k.startswith("param_groups.")}
+        out = {FORMAT_KEY: FORMAT_VERSION, "state": state, "param_groups": groups}
+        if getattr(self, "grad_scaler", None) is not None:
+            out["grad_scaler"] = self.grad_scaler.state_dict()
+        return out
+
+    def load_state_dict(self, state_dict):
+        """Load what ``dist_checkpointing.load`` returned for ``sharded_state_dict()``."""
+        if not isinstance(state_dict, dict) or state_dict.get(FORMAT_KEY) != FORMAT_VERSION:
+            got = state_dict.get(FORMAT_KEY) if isinstance(state_dict, dict) else type(state_dict).__name__
+            raise ValueError(f"optimizer.load_state_dict: expected the dict sharded_state_dict() builds, filled by "
+                             f"dist_checkpointing.load ({FORMAT_KEY}={FORMAT_VERSION}), got {FORMAT_KEY}={got!r}; "
+                             "Megatron's other optimizer formats do not hold this optimizer's sharded state.")
+        templates = optimizer_state_dict(self._fsdp_v2_model, self.optimizer)
+        loaded_state, loaded_groups = state_dict.get("state", {}), state_dict.get("param_groups", {})
+        missing = [k for k, t in templates.items()
+                   if k not in loaded_state and k not in loaded_groups and not holds_nothing(t)]
+        unexpected = [k for k in loaded_state if k not in templates]
+        if missing or unexpected:
+            raise ValueError(f"optimizer.load_state_dict: the checkpoint does not match the optimizer: missing keys "
+                             f"{missing[:20]}, unexpected keys {unexpected[:20]}.")
+        values = OrderedDict(
+            (k, loaded_groups[k] if k.startswith("param_groups.") else from_loaded(k, t, loaded_state.get(k, {})))
+            for k, t in templates.items())
+        load_optimizer_state_dict(self._fsdp_v2_model, self.optimizer, values)
+        if getattr(self, "grad_scaler", None) is not None and "grad_scaler" in state_dict:
+            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
+
+    def reload_model_params(self, state_dict=None):
+        """Nothing to do: our main weights are the model's weights (``load_state_dict`` writes them
+        and refreshes the compute weights); Megatron's version raises on this path."""
+
+
+def install_optimizer_checkpointing(optimizer, chunks) -> None:
+    """Give every leaf of ``optimizer`` (a Megatron optimizer over ``chunks``' main weights)
+    ``ShardedOptimizerCheckpoint``."""
+    leaves = list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+    owners = {id(main): chunk for chunk in chunks for main in chunk.parameters()}
+    for leaf in leaves:
+        inner = getattr(leaf, "optimizer", None)
+        if inner is None:       # a stub optimizer (no parameters on this rank)
+            continue
+        mine = {id(owners[id(p)]): owners[id(p)] for g in inner.param_groups for p in g["params"] if id(p) in owners}
+        if len(mine) != 1:
+            raise ValueError(f"get_optimizer: a {type(leaf).__name__} steps parameters of {len(mine)} model chunks; "
+                             "checkpointing needs exactly one chunk per leaf optimizer.")
+        (chunk,) = mine.values()
+        _with_mixin(leaf, ShardedOptimizerCheckpoint)
+        leaf._fsdp_v2_model = chunk.module
+        leaf._fsdp_v2_dp_rank = torch.distributed.get_rank(chunk.dp_group)

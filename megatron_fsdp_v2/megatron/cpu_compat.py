@@ -240,8 +240,10 @@ _MODULES_WITH_CPU_TORCH = {
 
 
 @contextlib.contextmanager
-def patch_megatron_for_cpu():
+def patch_megatron_for_cpu(*extra_modules: str):
     """Context manager applying the minimal CPU patches to Megatron-Core 0.19.2.
+    ``extra_modules``: more modules (by name) whose global ``torch`` gets the shim of patch 3,
+    e.g. ``"megatron.training.checkpointing"`` (tracker-file iteration checks on 'cuda').
 
     Patches (all undone on exit):
       1. ``megatron.core.utils.GlobalMemoryBuffer.get_tensor`` allocates on CPU
@@ -281,7 +283,7 @@ def patch_megatron_for_cpu():
         p.setattr(mrandom, "_set_cuda_rng_state", _cpu_set_cuda_rng_state)
         p.setattr(mrandom.CudaRNGStatesTracker, "add", _cpu_tracker_add)
         shim = _CpuTorchModule()
-        for modname in _MODULES_WITH_CPU_TORCH:
+        for modname in (*_MODULES_WITH_CPU_TORCH, *extra_modules):
             mod = importlib.import_module(modname)
             p.setattr(mod, "torch", shim)
         # Optimizer grad clipping (optimizer.py imported the function by name).

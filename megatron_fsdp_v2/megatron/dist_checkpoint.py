@@ -21,9 +21,10 @@ data-parallel sizes and strategies. Each value becomes:
   -> ``{"box0": ShardedTensor, "box1": ...}``, one ShardedTensor per box of the range
   (dcp_format.py, [Note: flat ranges as DCP chunks]), all under the tensor's key, with
   ``axis_fragmentations=None``: Megatron's uneven sharding, which it hands to DCP chunk by chunk.
-  The data are views of the main weights / optimizer state. A dict, not a list: Megatron merges the
-  loaded tensors into rank 0's common state, and lists of different lengths (a rank with no box
-  has none) do not merge;
+  The data are views of the main weights / optimizer state. A rank that owns no element of a
+  tensor leaves its key out: Megatron saves rank 0's non-tensor leftovers (an empty dict or list
+  too) as common state and merges every load into them, so an empty entry would clash with the
+  tensor another strategy loads there (and lists of boxes would have to have equal lengths);
 * a replicated tensor (``no_shard`` weights, buffers, Adam's ``step``) -> one ShardedTensor with
   ``replica_id`` = data-parallel rank, so rank 0 writes it; 0-d tensors travel as shape ``(1,)``;
 * optimizer hyperparameters -> common state (rank 0's ``common.pt``), as Megatron stores its own.
@@ -155,7 +156,13 @@ def model_sharded_state_dict(values: "OrderedDict[str, torch.Tensor]", dp_rank: 
     if sharded_offsets:
         raise ValueError(f"sharded_state_dict: sharded_offsets are for pipeline-parallel layer offsets, which "
                          f"FullyShardedDataParallel does not support (PP=1); got {sharded_offsets!r}.")
-    return {prefix + key: to_sharded(prefix + key, value, dp_rank) for key, value in values.items()}
+    return _drop_empty({prefix + key: to_sharded(prefix + key, value, dp_rank) for key, value in values.items()})
+
+
+def _drop_empty(sharded: dict) -> dict:
+    """Leave out values of which this rank holds nothing: an empty dict would land in rank 0's
+    common state and clash, at load time, with a tensor of another strategy's layout."""
+    return {key: value for key, value in sharded.items() if not (isinstance(value, dict) and not value)}
 
 
 def model_values_from_loaded(values: "OrderedDict[str, torch.Tensor]", state_dict: dict) -> "OrderedDict":
@@ -189,8 +196,8 @@ class ShardedOptimizerCheckpoint:
         state under ``optimizer.state.<param name>.<key>`` (see the module note). With no state yet
         (before the first step, or ``is_loading``), the state torch.optim would create is used."""
         values = optimizer_state_dict(self._fsdp_v2_model, self.optimizer)
-        state = {k: to_sharded(f"optimizer.{k}", v, self._fsdp_v2_dp_rank)
-                 for k, v in values.items() if not k.startswith("param_groups.")}
+        state = _drop_empty({k: to_sharded(f"optimizer.{k}", v, self._fsdp_v2_dp_rank)
+                             for k, v in values.items() if not k.startswith("param_groups.")})
         groups = {k: v for k, v in values.items() if k.startswith("param_groups.")}
         out = {FORMAT_KEY: FORMAT_VERSION, "state": state, "param_groups": groups}
         if getattr(self, "grad_scaler", None) is not None:

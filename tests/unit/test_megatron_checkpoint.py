@@ -1,0 +1,290 @@
+"""Megatron's distributed checkpoints (``megatron.core.dist_checkpointing``, what Megatron-LM's
+``--ckpt-format torch_dist`` writes) with ``FullyShardedDataParallel`` and ``get_optimizer``'s
+Adam (``DistributedOptimizer`` on its ``use_megatron_fsdp`` path), on a tiny GPTModel, CPU, gloo.
+
+* Save at dp 2 after 2 iterations for every strategy; in new processes load every checkpoint into
+  every strategy at dp 2, and into other strategies at dp 1 and dp 4: weights and Adam state
+  (moments and step, gathered to full tensors) equal the saved ones bitwise.
+* Same strategy and dp: 2 more iterations after the load equal the continuous run bitwise.
+* Megatron-LM's own ``save_checkpoint`` / ``load_checkpoint`` (megatron.training.checkpointing)
+  round-trip the wrapper and optimizer at dp 2 into another strategy.
+* Errors: a checkpoint of another model names the mis-shaped key (Megatron's check); a foreign optimizer dict names
+  the format key; pipeline offsets are rejected.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+if importlib.util.find_spec("megatron.core") is None:
+    pytest.skip("megatron-core is not installed", allow_module_level=True)
+
+from tests.megatron_cpu import run_distributed  # noqa: E402
+
+STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+SAVED_ITERS, MORE_ITERS, NMB, MBS, SEQ, VOCAB = 2, 2, 2, 2, 16, 64
+DATA_SEED = 300
+
+
+# ---------------------------------------------------------------------------------------------
+# Worker side
+# ---------------------------------------------------------------------------------------------
+
+
+def _model_and_optimizer(strategy, hidden=32, bf16=False):
+    from megatron_fsdp_v2.megatron import get_optimizer
+    from tests.megatron_cpu import build_tiny_gpt
+    from tests.unit.test_megatron_adapter import LR_ADAM, _opt_config
+
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron_fsdp_v2.megatron import FullyShardedDataParallel
+
+    model, config = build_tiny_gpt(1234, vocab=VOCAB, seq=SEQ, hidden=hidden, bf16=bf16)
+    if bf16:
+        from megatron.core.transformer.module import Float16Module
+
+        model = Float16Module(config, model)
+    wrapper = FullyShardedDataParallel(config, DistributedDataParallelConfig(data_parallel_sharding_strategy=strategy),
+                                       model)
+    return wrapper, config, get_optimizer(_opt_config("adam", LR_ADAM, bf16=bf16), [wrapper])
+
+
+def _train(wrapper, config, optimizer, batches, iters):
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from tests.megatron_cpu import forward_step_func
+
+    config.no_sync_func, config.finalize_model_grads_func = wrapper.no_sync, finalize_model_grads
+    for it in range(iters):
+        wrapper.zero_grad_buffer()
+        optimizer.zero_grad()
+        get_forward_backward_func()(forward_step_func=forward_step_func,
+                                    data_iterator=iter(batches[it * NMB:(it + 1) * NMB]), model=[wrapper],
+                                    num_microbatches=NMB, seq_length=SEQ, micro_batch_size=MBS, forward_only=False)
+        ok, _, _ = optimizer.step()
+        assert ok
+    config.no_sync_func = config.finalize_model_grads_func = None
+
+
+def _full_state(wrapper, optimizer):
+    """{"model": full weights, "optimizer": {name.key: full tensor}} gathered from every rank."""
+    import torch.distributed as dist
+
+    from megatron_fsdp_v2.checkpoint import optimizer_state_dict
+    from megatron_fsdp_v2.dcp_format import FlatRangeShard
+
+    full_optim = {}
+    for key, value in optimizer_state_dict(wrapper.module, optimizer.optimizer).items():
+        if key.startswith("param_groups."):
+            continue
+        if isinstance(value, FlatRangeShard):
+            flat = torch.zeros(value.shape.numel(), dtype=value.dtype)
+            flat[value.flat_start:value.flat_end] = value.local_flat
+            dist.all_reduce(flat, group=wrapper.dp_group)     # disjoint ranges: the sum assembles them
+            value = flat.view(value.shape)
+        full_optim[key] = value.detach().clone()
+    return {"model": {k: v.clone() for k, v in wrapper.state_dict().items()}, "optimizer": full_optim}
+
+
+def _save(wrapper, optimizer, path):
+    from megatron.core import dist_checkpointing
+
+    model_sd = wrapper.sharded_state_dict()
+    dist_checkpointing.save({"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd)}, path)
+
+
+def _load(wrapper, optimizer, path):
+    from megatron.core import dist_checkpointing
+
+    model_sd = wrapper.sharded_state_dict()
+    template = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=True)}
+    loaded = dist_checkpointing.load(template, path)
+    wrapper.load_state_dict(loaded["model"])
+    optimizer.load_state_dict(loaded["optimizer"])
+
+
+def _error_cases(base):
+    from megatron.core import dist_checkpointing
+
+    errors = {}
+    wrapper, _, optimizer = _model_and_optimizer("optim_grads", hidden=48)
+    try:
+        _load(wrapper, optimizer, os.path.join(base, "optim_grads"))
+    except BaseException as exc:  # noqa: BLE001 - DCP raises CheckpointException, a BaseException
+        errors["other_model"] = f"{type(exc).__name__}: {exc}"
+    wrapper, _, optimizer = _model_and_optimizer("optim_grads")
+    try:
+        optimizer.load_state_dict({"optimizer": {}, "param_state": {}})
+    except ValueError as exc:
+        errors["foreign_optimizer"] = str(exc)
+    try:
+        wrapper.sharded_state_dict(sharded_offsets=((0, 0, 2),))
+    except ValueError as exc:
+        errors["offsets"] = str(exc)
+    loaded = dist_checkpointing.load({"model": wrapper.sharded_state_dict()}, os.path.join(base, "optim_grads"))
+    errors["loads_model_only"] = sorted(wrapper.load_state_dict(loaded["model"]).missing_keys)
+    return errors
+
+
+def save_worker(rank, world_size, base):
+    from tests.megatron_cpu import (destroy_megatron_parallel_state, init_megatron_parallel_state,
+                                    patch_megatron_for_cpu, synthetic_batches)
+
+    out = {}
+    with patch_megatron_for_cpu():
+        init_megatron_parallel_state(world_size)
+        try:
+            batches = synthetic_batches(DATA_SEED + rank, (SAVED_ITERS + MORE_ITERS) * NMB, MBS, SEQ, VOCAB)
+            for strategy in STRATEGIES:
+                wrapper, config, optimizer = _model_and_optimizer(strategy)
+                _train(wrapper, config, optimizer, batches, SAVED_ITERS)
+                _save(wrapper, optimizer, os.path.join(base, strategy))
+                saved = _full_state(wrapper, optimizer)
+                _train(wrapper, config, optimizer, batches[SAVED_ITERS * NMB:], MORE_ITERS)
+                out[strategy] = {"saved": saved, "continuous": _full_state(wrapper, optimizer)}
+        finally:
+            destroy_megatron_parallel_state()
+    return out
+
+
+def load_worker(rank, world_size, base, pairs, resume, errors):
+    from tests.megatron_cpu import (destroy_megatron_parallel_state, init_megatron_parallel_state,
+                                    patch_megatron_for_cpu, synthetic_batches)
+
+    out = {}
+    with patch_megatron_for_cpu():
+        init_megatron_parallel_state(world_size)
+        try:
+            batches = synthetic_batches(DATA_SEED + rank, (SAVED_ITERS + MORE_ITERS) * NMB, MBS, SEQ, VOCAB)
+            for saved, target in pairs:
+                wrapper, config, optimizer = _model_and_optimizer(target)
+                _load(wrapper, optimizer, os.path.join(base, saved))
+                result = {"loaded": _full_state(wrapper, optimizer)}
+                if resume and saved == target:
+                    _train(wrapper, config, optimizer, batches[SAVED_ITERS * NMB:], MORE_ITERS)
+                    result["resumed"] = _full_state(wrapper, optimizer)
+                out[(saved, target)] = result
+            if errors:
+                out["errors"] = _error_cases(base)
+        finally:
+            destroy_megatron_parallel_state()
+    return out
+
+
+def megatron_lm_worker(rank, world_size, base, saved_strategy, loaded_strategy, bf16):
+    """Megatron-LM's save_checkpoint / load_checkpoint (torch_dist) with our wrapper and optimizer."""
+    from megatron.training import checkpointing
+    from megatron.training.global_vars import destroy_global_vars, set_global_variables
+
+    from megatron_fsdp_v2.megatron.pretrain_gpt import parse_args
+    from tests.megatron_cpu import (destroy_megatron_parallel_state, init_megatron_parallel_state,
+                                    patch_megatron_for_cpu, synthetic_batches)
+    from tests.unit.test_megatron_adapter import LAUNCHER_ARGS
+
+    out = {}
+    with patch_megatron_for_cpu("megatron.training.checkpointing"):
+        init_megatron_parallel_state(world_size)
+        args = parse_args(LAUNCHER_ARGS + ["--save", base, "--load", base, "--save-interval", "2", "--no-save-rng", "--no-load-rng",
+                                           "--use-cpu-initialization"])
+        set_global_variables(args, build_tokenizer=False)
+        # save_checkpoint reads the CUDA RNG state even with --no-save-rng (then drops it): CPU only.
+        original_get_rng_state, checkpointing.get_rng_state = checkpointing.get_rng_state, lambda *a, **k: None
+        try:
+            batches = synthetic_batches(DATA_SEED + rank, SAVED_ITERS * NMB, MBS, SEQ, VOCAB)
+            wrapper, config, optimizer = _model_and_optimizer(saved_strategy, bf16=bf16)
+            _train(wrapper, config, optimizer, batches, SAVED_ITERS)
+            checkpointing.save_checkpoint(SAVED_ITERS, [wrapper], optimizer, None, 0)
+            out["saved"] = _full_state(wrapper, optimizer)
+            out["files"] = sorted(os.listdir(os.path.join(base, f"iter_{SAVED_ITERS:07d}")))
+            wrapper, config, optimizer = _model_and_optimizer(loaded_strategy, bf16=bf16)
+            out["fresh"] = _full_state(wrapper, optimizer)["model"]
+            iteration, _ = checkpointing.load_checkpoint([wrapper], optimizer, None)
+            out["iteration"] = iteration
+            out["loaded"] = _full_state(wrapper, optimizer)
+        finally:
+            checkpointing.get_rng_state = original_get_rng_state
+            destroy_global_vars()
+            destroy_megatron_parallel_state()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Parent side
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    base = str(tmp_path_factory.mktemp("megatron_dist_ckpt"))
+    for strategy in STRATEGIES:
+        os.makedirs(os.path.join(base, strategy))
+    saved = run_distributed(save_worker, 2, base, timeout=300)
+    return base, saved
+
+
+def _assert_equal_states(got, want, what):
+    for part in ("model", "optimizer"):
+        assert sorted(got[part]) == sorted(want[part]), (what, part)
+        for key in want[part]:
+            assert torch.equal(got[part][key], want[part][key]), (what, part, key)
+
+
+def test_saved_state_is_complete(checkpoints):
+    _, saved = checkpoints
+    state = saved[0]["optim_grads_params"]["saved"]
+    # every parameter has Adam's three entries; step counts the saved iterations
+    params = state["model"].keys()
+    for name in params:
+        assert {f"state.{name}.exp_avg", f"state.{name}.exp_avg_sq", f"state.{name}.step"} <= state["optimizer"].keys()
+        assert state["optimizer"][f"state.{name}.step"].item() == SAVED_ITERS
+    moments = [state["optimizer"][f"state.{n}.exp_avg"] for n in params]
+    assert sum(int(m.count_nonzero()) for m in moments) > 0.9 * sum(m.numel() for m in moments)
+
+
+def test_every_strategy_pair_at_dp2_and_resume_is_bitwise(checkpoints):
+    base, saved = checkpoints
+    pairs = [(s, t) for s in STRATEGIES for t in STRATEGIES]
+    results = run_distributed(load_worker, 2, base, pairs, True, True, timeout=300)
+    for rank, out in enumerate(results):
+        for saved_strategy, target in pairs:
+            want = saved[rank][saved_strategy]
+            _assert_equal_states(out[(saved_strategy, target)]["loaded"], want["saved"],
+                                 f"{saved_strategy} -> {target} rank {rank}")
+            if saved_strategy == target:
+                _assert_equal_states(out[(saved_strategy, target)]["resumed"], want["continuous"],
+                                     f"resume {saved_strategy} rank {rank}")
+    errors = results[0]["errors"]
+    assert "Global shape mismatch" in errors["other_model"] and "(64, 48)" in errors["other_model"]
+    assert "embedding.word_embeddings.weight" in errors["other_model"]
+    assert "megatron_fsdp_v2_format" in errors["foreign_optimizer"]
+    assert "sharded_offsets" in errors["offsets"] and "((0, 0, 2),)" in errors["offsets"]
+    assert errors["loads_model_only"] == []
+
+
+@pytest.mark.parametrize("world_size,shift", [(1, 1), (4, 2)])
+def test_load_at_other_dp_sizes(checkpoints, world_size, shift):
+    base, saved = checkpoints
+    pairs = [(s, STRATEGIES[(i + shift) % 4]) for i, s in enumerate(STRATEGIES)]
+    results = run_distributed(load_worker, world_size, base, pairs, False, False, timeout=300)
+    for rank, out in enumerate(results):
+        for saved_strategy, target in pairs:
+            _assert_equal_states(out[(saved_strategy, target)]["loaded"], saved[0][saved_strategy]["saved"],
+                                 f"dp2 {saved_strategy} -> dp{world_size} {target} rank {rank}")
+
+
+@pytest.mark.parametrize("saved,loaded,bf16", [("optim_grads_params", "optim", True), ("no_shard", "optim_grads", False)])
+def test_megatron_lm_save_and_load_checkpoint(tmp_path, saved, loaded, bf16):
+    """bf16 wraps the model in Float16Module: save_checkpoint's unwrap_model reaches the GPTModel
+    below it, whose sharded_state_dict the wrapper routes to its own."""
+    results = run_distributed(megatron_lm_worker, 2, str(tmp_path), saved, loaded, bf16, timeout=300)
+    for out in results:
+        assert out["iteration"] == SAVED_ITERS
+        assert not any(torch.equal(out["fresh"][k], out["saved"]["model"][k]) for k in out["fresh"]
+                       if k.endswith("linear_fc1.weight"))
+        assert out["files"] == [".metadata", "__0_0.distcp", "__1_0.distcp", "metadata.json"]  # one file per rank
+        _assert_equal_states(out["loaded"], out["saved"], "Megatron-LM save_checkpoint -> load_checkpoint")

@@ -29,9 +29,12 @@ How our class gets in (the hook is installed only inside ``main()``, by
 
 Defaults: ``--tokenizer-type NullTokenizer`` (give ``--vocab-size``). The launcher also sets
 ``gradient_accumulation_fusion=False`` (the fused wgrad kernels write into
-``param.main_grad``, which our wrapper does not provide). Checkpoints: Megatron's checkpointing
-(``--save`` / ``--load``) is not wired up yet (the wrapper's ``sharded_state_dict`` raises; its
-``state_dict()`` / ``load_state_dict()`` give and take full tensors); run without them.
+``param.main_grad``, which our wrapper does not provide).
+
+Checkpoints: ``--save DIR --save-interval N`` / ``--load DIR`` with ``--ckpt-format torch_dist``
+(Megatron-LM's default; the other formats are rejected). Each rank writes only its shards
+(dist_checkpoint.py); a checkpoint loads at another data-parallel size and with another
+``--data-parallel-sharding-strategy``, model and optimizer state included.
 """
 
 from __future__ import annotations
@@ -71,6 +74,11 @@ def check_launcher_args(args: argparse.Namespace) -> None:
     strategy = getattr(args, "data_parallel_sharding_strategy", None)
     if strategy not in STRATEGY_NAMES:
         problems.append(f"--data-parallel-sharding-strategy must be one of {list(STRATEGY_NAMES)}, got {strategy!r}")
+    ckpt_format = getattr(args, "ckpt_format", "torch_dist")
+    if (getattr(args, "save", None) or getattr(args, "load", None)) and ckpt_format != "torch_dist":
+        problems.append(f"--ckpt-format must be torch_dist with --save / --load (sharded, reshardable across "
+                        f"data-parallel sizes and strategies; torch, torch_dcp and fsdp_dtensor do not hold the "
+                        f"sharded optimizer state of this wrapper), got {ckpt_format!r}")
     if getattr(args, "data_path", None) or getattr(args, "train_data_path", None):
         problems.append("this launcher trains on mock data only; drop --data-path / --train-data-path")
     if problems:

@@ -288,3 +288,19 @@ def test_megatron_lm_save_and_load_checkpoint(tmp_path, saved, loaded, bf16):
                        if k.endswith("linear_fc1.weight"))
         assert out["files"] == [".metadata", "__0_0.distcp", "__1_0.distcp", "metadata.json"]  # one file per rank
         _assert_equal_states(out["loaded"], out["saved"], "Megatron-LM save_checkpoint -> load_checkpoint")
+
+
+@pytest.mark.parametrize("ckpt_format", ["torch", "torch_dcp", "fsdp_dtensor"])
+def test_launcher_rejects_other_checkpoint_formats(ckpt_format):
+    import argparse
+
+    from megatron_fsdp_v2.megatron.pretrain_gpt import check_launcher_args
+
+    args = argparse.Namespace(data_parallel_sharding_strategy="optim_grads", save="/tmp/ckpt", load=None,
+                              ckpt_format=ckpt_format)
+    with pytest.raises(ValueError, match=f"--ckpt-format must be torch_dist with --save / --load.*got '{ckpt_format}'"):
+        check_launcher_args(args)
+    args.ckpt_format = "torch_dist"
+    check_launcher_args(args)
+    args.ckpt_format, args.save = ckpt_format, None   # no checkpoints: any format is fine
+    check_launcher_args(args)

@@ -34,9 +34,32 @@ __all__ = ["export_full_state_dict", "load_checkpoint", "load_optimizer_state_di
            "save_checkpoint"]
 
 # ---------------------------------------------------------------- shards <-> state-dict values
-def _check_model(model) -> None:
-    if not hasattr(model, "_fsdp") or not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a module wrapped by fully_shard, got {type(model).__name__}.")
+def _sharded_module(model) -> nn.Module:
+    """The module ``fully_shard`` wrapped: ``model`` itself or, for a wrapper that holds one as
+    ``.module`` (the Megatron adapter), that module."""
+    for candidate in (model, getattr(model, "module", None)):
+        if isinstance(candidate, nn.Module) and hasattr(candidate, "_fsdp"):
+            return candidate
+    raise TypeError(f"model must be a module wrapped by fully_shard (or a wrapper holding one as .module), "
+                    f"got {type(model).__name__}.")
+
+
+def _torch_optimizer(optimizer) -> torch.optim.Optimizer:
+    """``optimizer``, or the torch optimizer a wrapper steps with (Megatron's optimizers keep it as
+    ``.optimizer``; a ``ChainedOptimizer`` of one optimizer is unwrapped too)."""
+    chained = getattr(optimizer, "chained_optimizers", None)
+    if chained is not None:
+        if len(chained) != 1:
+            raise ValueError(f"optimizer: a chain of {len(chained)} optimizers; pass each of "
+                             f"optimizer.chained_optimizers, or use its sharded_state_dict() with dist_checkpointing.")
+        optimizer = chained[0]
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer
+    inner = getattr(optimizer, "optimizer", None)
+    if isinstance(inner, torch.optim.Optimizer):
+        return inner
+    raise TypeError(f"optimizer must be a torch.optim.Optimizer (or wrap one as .optimizer), got "
+                    f"{type(optimizer).__name__}.")
 
 
 def _owned_range(group, index: int) -> tuple[int, int]:
@@ -98,7 +121,7 @@ def model_state_dict(model, prefix: str = "", keep_vars: bool = False) -> "Order
     """``model.state_dict()``: every parameter (all tied names) and persistent buffer under its
     original name and shape, in main-weight precision; sharded values are ``FlatRangeShard`` views
     of this rank's main weights. ``keep_vars`` returns replicated parameters undetached."""
-    _check_model(model)
+    model = _sharded_module(model)
     values = {}
     for group, index, names in _each_param(model):
         main = group.main_params[index]
@@ -126,7 +149,7 @@ def load_model_state_dict(model, state_dict: dict, strict: bool = True, assign: 
     """``model.load_state_dict()``: values may be this model's own (filled by ``dcp.load``) or full
     tensors (``torch.load`` of an export); each rank copies its part into its main weights, then the
     compute weights are refreshed."""
-    _check_model(model)
+    model = _sharded_module(model)
     if assign:
         raise ValueError("load_state_dict: assign=True is not supported (main weights are views of flat buffers), "
                          "got assign=True; use the default assign=False.")
@@ -149,7 +172,7 @@ def load_model_state_dict(model, state_dict: dict, strict: bool = True, assign: 
 # ---------------------------------------------------------------- optimizer
 def _optimizer_params(model, optimizer) -> list:
     """(position in optimizer.state_dict(), param, name, hyperparameters, group, index) per param."""
-    _check_model(model)
+    model = _sharded_module(model)
     where = {id(m): (g, i) for g in model._fsdp.groups for i, m in enumerate(g.main_params)}
     name_of = {id(m): n for n, m in model._fsdp_main_params.items()}
     out, foreign = [], 0
@@ -225,7 +248,9 @@ def _decode_hparam(tensor: torch.Tensor, current):
 
 
 def optimizer_state_dict(model, optimizer) -> "OrderedDict[str, torch.Tensor]":
-    """The optimizer's state for DCP, under parameter names (see the note at the top)."""
+    """The optimizer's state for DCP, under parameter names (see the note at the top). ``model``
+    and ``optimizer`` may be wrappers (the Megatron adapter, Megatron's optimizers)."""
+    optimizer = _torch_optimizer(optimizer)
     sd: "OrderedDict[str, torch.Tensor]" = OrderedDict()
     params = _optimizer_params(model, optimizer)
     stateless = not any(optimizer.state.get(p) for _, p, *_ in params)
@@ -245,6 +270,7 @@ def optimizer_state_dict(model, optimizer) -> "OrderedDict[str, torch.Tensor]":
 def load_optimizer_state_dict(model, optimizer, state_dict: dict) -> None:
     """Install a state dict of ``optimizer_state_dict``'s form (filled by ``dcp.load``) through
     ``optimizer.load_state_dict``. Hyperparameters the optimizer does not have are ignored."""
+    optimizer = _torch_optimizer(optimizer)
     params = {name: (pos, p, group, index) for pos, p, name, _, group, index in _optimizer_params(model, optimizer)}
     packed = optimizer.state_dict()
     groups, state, unexpected, misshaped = packed["param_groups"], {}, [], []
@@ -277,6 +303,7 @@ def load_optimizer_state_dict(model, optimizer, state_dict: dict) -> None:
 def _optimizer_targets(model, optimizer, metadata: dict, prefix: str) -> "OrderedDict[str, torch.Tensor]":
     """Tensors to ``dcp.load`` the checkpoint's optimizer entries into, shaped from its metadata, so
     any optimizer (and state saved before some parameters had any) loads; existing state is reused."""
+    optimizer = _torch_optimizer(optimizer)
     params = {name: (p, hparams, group, index) for _, p, name, hparams, group, index in _optimizer_params(model, optimizer)}
     targets: "OrderedDict[str, torch.Tensor]" = OrderedDict()
     unexpected = []
@@ -332,7 +359,7 @@ def save_checkpoint(path: "str | os.PathLike", model, optimizer=None) -> None:
     ``path.tmp``; only when all succeeded does rank 0 move the old checkpoint to ``path.old``, rename
     ``path.tmp`` to ``path`` and delete ``path.old``. A save that dies leaves the last good checkpoint
     at ``path`` (or, between the renames, at ``path.old``, which loads and the next save restores)."""
-    _check_model(model)
+    model = _sharded_module(model)
     path = os.fspath(path)
     group = model._fsdp.comm.group
     sd = OrderedDict((f"model.{k}", v) for k, v in model_state_dict(model).items())
@@ -369,7 +396,7 @@ def load_checkpoint(path: "str | os.PathLike", model, optimizer=None) -> None:
     """Load what ``save_checkpoint`` wrote, at any dp size and strategy. Before reading any tensor,
     the checkpoint's keys and shapes are checked against the model (ValueError naming missing,
     unexpected and mis-shaped keys)."""
-    _check_model(model)
+    model = _sharded_module(model)
     reader = SafeFileSystemReader(_checkpoint_dir(os.fspath(path)))
     metadata = reader.read_metadata().state_dict_metadata
     model_md = {k[6:]: v for k, v in metadata.items() if k.startswith("model.")}
@@ -401,7 +428,7 @@ def export_full_state_dict(model, path: "str | os.PathLike", rank: int = 0) -> N
     """Write ``{name: full tensor}`` (main-weight precision, all tied names, persistent buffers) to
     one ``torch.save`` file from ``rank``, for export or inference; ``torch.load(weights_only=True)``
     reads it. Gathers one group at a time; other ranks drop each gathered group at once."""
-    _check_model(model)
+    model = _sharded_module(model)
     comm = model._fsdp.comm
     if not isinstance(rank, int) or not 0 <= rank < comm.size:
         raise ValueError(f"rank must be a data-parallel rank in [0, {comm.size}), got {rank!r}.")

@@ -8,6 +8,7 @@ Adam (``DistributedOptimizer`` on its ``use_megatron_fsdp`` path), on a tiny GPT
 * Same strategy and dp: 2 more iterations after the load equal the continuous run bitwise.
 * Megatron-LM's own ``save_checkpoint`` / ``load_checkpoint`` (megatron.training.checkpointing)
   round-trip the wrapper and optimizer at dp 2 into another strategy.
+* The core's ``save_checkpoint`` / ``load_checkpoint`` accept the wrapper and Megatron's optimizer.
 * Errors: a checkpoint of another model names the mis-shaped key (Megatron's check); a foreign optimizer dict names
   the format key; pipeline offsets are rejected.
 """
@@ -132,6 +133,7 @@ def _error_cases(base):
 
 
 def save_worker(rank, world_size, base):
+    import megatron_fsdp_v2
     from tests.megatron_cpu import (destroy_megatron_parallel_state, init_megatron_parallel_state,
                                     patch_megatron_for_cpu, synthetic_batches)
 
@@ -144,6 +146,8 @@ def save_worker(rank, world_size, base):
                 wrapper, config, optimizer = _model_and_optimizer(strategy)
                 _train(wrapper, config, optimizer, batches, SAVED_ITERS)
                 _save(wrapper, optimizer, os.path.join(base, strategy))
+                if strategy == "optim_grads":   # the core's DCP helpers take the wrapper and Megatron's optimizer too
+                    megatron_fsdp_v2.save_checkpoint(os.path.join(base, "core_dcp"), wrapper, optimizer)
                 saved = _full_state(wrapper, optimizer)
                 _train(wrapper, config, optimizer, batches[SAVED_ITERS * NMB:], MORE_ITERS)
                 out[strategy] = {"saved": saved, "continuous": _full_state(wrapper, optimizer)}
@@ -153,6 +157,7 @@ def save_worker(rank, world_size, base):
 
 
 def load_worker(rank, world_size, base, pairs, resume, errors):
+    import megatron_fsdp_v2
     from tests.megatron_cpu import (destroy_megatron_parallel_state, init_megatron_parallel_state,
                                     patch_megatron_for_cpu, synthetic_batches)
 
@@ -171,6 +176,9 @@ def load_worker(rank, world_size, base, pairs, resume, errors):
                 out[(saved, target)] = result
             if errors:
                 out["errors"] = _error_cases(base)
+                wrapper, _, optimizer = _model_and_optimizer("optim_grads_params")
+                megatron_fsdp_v2.load_checkpoint(os.path.join(base, "core_dcp"), wrapper, optimizer)
+                out["core_dcp"] = _full_state(wrapper, optimizer)
         finally:
             destroy_megatron_parallel_state()
     return out
@@ -264,6 +272,8 @@ def test_every_strategy_pair_at_dp2_and_resume_is_bitwise(checkpoints):
     assert "megatron_fsdp_v2_format" in errors["foreign_optimizer"]
     assert "sharded_offsets" in errors["offsets"] and "((0, 0, 2),)" in errors["offsets"]
     assert errors["loads_model_only"] == []
+    for rank, out in enumerate(results):   # save_checkpoint(path, wrapper, megatron_optimizer), ZeRO-2 -> ZeRO-3
+        _assert_equal_states(out["core_dcp"], saved[rank]["optim_grads"]["saved"], f"core DCP helpers rank {rank}")
 
 
 @pytest.mark.parametrize("world_size,shift", [(1, 1), (4, 2)])

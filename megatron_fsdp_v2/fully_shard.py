@@ -113,44 +113,10 @@ class FullyShardedModule:
             out[name] = buffer.detach().clone()
         return OrderedDict(sorted(out.items(), key=lambda kv: self._fsdp_name_order.get(kv[0], 1 << 30)))
 
-    def load_full_state_dict(self, state_dict: dict, strict: bool = True) -> None:
-        """Load {original name: full tensor}; each rank keeps only its shard."""
-        expected = {}
-        for group in self._fsdp.groups:
-            for index, names in enumerate(group.all_names):
-                for name in names:
-                    expected[name] = (group, index)
-        buffers = dict(self._fsdp_buffers())
-        missing = [n for g in self._fsdp.groups for names in g.all_names
-                   if not any(k in state_dict for k in names) for n in names[:1]]
-        missing += [n for n in buffers if n not in state_dict]
-        unexpected = [k for k in state_dict if k not in expected and k not in buffers]
-        misshaped = []
-        for key, value in state_dict.items():
-            if key in expected:
-                group, index = expected[key]
-                want = tuple(group.shapes[index])
-            elif key in buffers:
-                want = tuple(buffers[key].shape)
-            else:
-                continue
-            if not isinstance(value, torch.Tensor) or tuple(value.shape) != want:
-                got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-                misshaped.append(f"{key}: expected {want}, got {got}")
-        if misshaped or (strict and (missing or unexpected)):
-            raise ValueError(
-                "load_full_state_dict: state_dict does not match the model: "
-                f"missing keys {missing}, unexpected keys {unexpected}, mis-shaped keys {misshaped}."
-            )
-        for key, value in state_dict.items():
-            if key in expected:
-                group, index = expected[key]
-                group.load_full_param(index, value)
-            elif key in buffers:
-                with torch.no_grad():
-                    buffers[key].copy_(value)
-        self._fsdp.mark_main_weights_changed()
-        self._fsdp.start_param_sync(force_sync=True)
+    def load_full_state_dict(self, state_dict: dict, strict: bool = True):
+        """Load {original name: full tensor}; each rank keeps only its shard (``load_state_dict``
+        takes full tensors too; this name mirrors ``full_state_dict``)."""
+        return load_model_state_dict(self, state_dict, strict=strict)
 
     # -- sharded state dict for torch.distributed.checkpoint (see checkpoint.py) ----------------
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):

@@ -354,13 +354,3 @@ class ParamGroup:
     def full_param(self, full_main: torch.Tensor, index: int) -> torch.Tensor:
         start, end = self.layout.param_range(index)
         return full_main[start:end].view(self.shapes[index])
-
-    def load_full_param(self, index: int, value: torch.Tensor) -> None:
-        """Copy this rank's piece of a full parameter value into the main weights."""
-        flat = value.detach().reshape(-1).to(device=self.device, dtype=self.main_shard.dtype)
-        with torch.no_grad():
-            if self.strategy.optim_sharded:
-                piece = self.layout.shard_slice(index, self.comm.rank)
-                self.main_params[index].copy_(flat[piece.param_start:piece.param_end])
-            else:
-                self.main_params[index].copy_(flat.view(self.shapes[index]))

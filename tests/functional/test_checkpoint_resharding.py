@@ -8,7 +8,9 @@ package has them, else ``full_state_dict`` / ``load_full_state_dict`` (weights o
 resume checks are then skipped).
 
 * ``test_checkpoint_reshards_to_half_the_ranks_and_back``: M = N / 2 (needs >= 2 GPUs);
-* ``test_checkpoint_changes_strategy_at_the_same_world_size``: M = N (runs at world size 1 too).
+* ``test_checkpoint_changes_strategy_at_the_same_world_size``: M = N (runs at world size 1 too);
+* ``test_megatron_dist_checkpoint_changes_strategy_and_resumes``: the Megatron adapter and
+  ``get_optimizer`` through Megatron's ``dist_checkpointing`` (``--ckpt-format torch_dist``).
 """
 
 from __future__ import annotations
@@ -134,3 +136,88 @@ def test_checkpoint_changes_strategy_at_the_same_world_size(world, strategy):
     failures = _round_trip(world, strategy, target, world.size)
     assert_no_failures(failures, f"{_api()[3]}: save at {world.size} ranks ({strategy}) -> load ({target}) -> "
                                  f"save -> load ({strategy})")
+
+
+# ---------------------------------------------------------------- Megatron's dist_checkpointing
+def _megatron_wrapper(spec, world, strategy: str):
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    from megatron_fsdp_v2.megatron import FullyShardedDataParallel, get_optimizer
+    from .training import _optimizer_config
+
+    module, config, _ = harness.build_gpt(spec, world)
+    ddp_config = DistributedDataParallelConfig(data_parallel_sharding_strategy=strategy, grad_reduce_in_fp32=True)
+    wrapped = FullyShardedDataParallel(config, ddp_config, module)
+    return wrapped, config, get_optimizer(_optimizer_config(spec), [wrapped])
+
+
+def _megatron_snapshot(wrapped, optimizer) -> tuple:
+    """Full weights and full Adam state (each rank's flat ranges summed into full tensors)."""
+    from megatron_fsdp_v2.checkpoint import optimizer_state_dict
+    from megatron_fsdp_v2.dcp_format import FlatRangeShard
+
+    weights = {n: t.detach().cpu().clone() for n, t in wrapped.state_dict().items()}
+    state = {}
+    for key, value in optimizer_state_dict(wrapped, optimizer).items():
+        if isinstance(value, FlatRangeShard):
+            flat = torch.zeros(value.shape.numel(), dtype=value.dtype, device=value.local_flat.device)
+            flat[value.flat_start:value.flat_end] = value.local_flat
+            dist.all_reduce(flat, group=wrapped.dp_group)
+            value = flat.view(value.shape)
+        state[key] = value.detach().cpu().clone()
+    return weights, state
+
+
+def _dist_checkpoint(wrapped, optimizer, path: str, load: bool) -> None:
+    from megatron.core import dist_checkpointing
+
+    model_sd = wrapped.sharded_state_dict()
+    sd = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=load)}
+    if not load:
+        if dist.get_rank() == 0:
+            os.makedirs(path)
+        harness.barrier()
+        dist_checkpointing.save(sd, path)
+        return
+    loaded = dist_checkpointing.load(sd, path)
+    wrapped.load_state_dict(loaded["model"])
+    optimizer.load_state_dict(loaded["optimizer"])
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_megatron_dist_checkpoint_changes_strategy_and_resumes(world, strategy):
+    """The adapter + get_optimizer through Megatron's dist_checkpointing (what ``--ckpt-format
+    torch_dist`` writes): save with S, load with the next strategy (weights and Adam state bitwise),
+    load with S again and take one more Megatron step next to the model that never left (bitwise)."""
+    from .training import _megatron_schedule_loop
+
+    spec = dataclasses.replace(harness.short_spec(), iters=2)
+    failures = []
+    source, config, source_opt = _megatron_wrapper(spec, world, strategy)
+    _megatron_schedule_loop(source, config, source_opt, spec, world)
+    want = _megatron_snapshot(source, source_opt)
+    target = _next(strategy)
+    with harness.shared_tmpdir(world) as root:
+        path = os.path.join(root, "megatron")
+        _dist_checkpoint(source, source_opt, path, load=False)
+        other, _, other_opt = _megatron_wrapper(dataclasses.replace(spec, model_seed=spec.model_seed + 1), world,
+                                                target)
+        _dist_checkpoint(other, other_opt, path, load=True)
+        got = _megatron_snapshot(other, other_opt)
+        failures += _summarise(_differences(got[0], want[0], ""), f"weights loaded with {target}")
+        failures += _summarise(_differences(got[1], want[1], ""), f"Adam state loaded with {target}")
+        del other, other_opt
+        back, back_config, back_opt = _megatron_wrapper(dataclasses.replace(spec, model_seed=spec.model_seed + 1),
+                                                        world, strategy)
+        _dist_checkpoint(back, back_opt, path, load=True)
+    one = dataclasses.replace(spec, iters=1)
+    loss_a, _ = _megatron_schedule_loop(source, config, source_opt, one, world)
+    loss_b, _ = _megatron_schedule_loop(back, back_config, back_opt, one, world)
+    if loss_a != loss_b:
+        failures.append(f"loss of the step after loading {loss_b} != without the checkpoint {loss_a}")
+    failures += _summarise(_differences(_megatron_snapshot(back, back_opt)[0], _megatron_snapshot(source, source_opt)[0],
+                                        ""), "weights one step after resuming")
+    del source, source_opt, back, back_opt
+    harness.release_memory(world)
+    assert_no_failures(failures, f"dist_checkpointing: save ({strategy}) -> load ({target}); load ({strategy}) "
+                                 f"-> resume, at {world.size} ranks")

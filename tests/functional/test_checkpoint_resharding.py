@@ -152,20 +152,11 @@ def _megatron_wrapper(spec, world, strategy: str):
 
 
 def _megatron_snapshot(wrapped, optimizer) -> tuple:
-    """Full weights and full Adam state (each rank's flat ranges summed into full tensors)."""
-    from megatron_fsdp_v2.checkpoint import optimizer_state_dict
-    from megatron_fsdp_v2.dcp_format import FlatRangeShard
+    """Full weights and full Adam state (each rank's flat ranges assembled)."""
+    from tests.state_gather import full_optimizer_state
 
     weights = {n: t.detach().cpu().clone() for n, t in wrapped.state_dict().items()}
-    state = {}
-    for key, value in optimizer_state_dict(wrapped, optimizer).items():
-        if isinstance(value, FlatRangeShard):
-            flat = torch.zeros(value.shape.numel(), dtype=value.dtype, device=value.local_flat.device)
-            flat[value.flat_start:value.flat_end] = value.local_flat
-            dist.all_reduce(flat, group=wrapped.dp_group)
-            value = flat.view(value.shape)
-        state[key] = value.detach().cpu().clone()
-    return weights, state
+    return weights, full_optimizer_state(wrapped, optimizer, wrapped.dp_group)
 
 
 def _dist_checkpoint(wrapped, optimizer, path: str, load: bool) -> None:

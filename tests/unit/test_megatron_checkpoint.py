@@ -15,6 +15,7 @@ Adam (``DistributedOptimizer`` on its ``use_megatron_fsdp`` path), on a tiny GPT
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 
@@ -73,23 +74,25 @@ def _train(wrapper, config, optimizer, batches, iters):
 
 
 def _full_state(wrapper, optimizer):
-    """{"model": full weights, "optimizer": {name.key: full tensor}} gathered from every rank."""
-    import torch.distributed as dist
+    """{"model": full weights, "optimizer": {state.name.key: full tensor}} gathered from every rank."""
+    from tests.state_gather import full_optimizer_state
 
-    from megatron_fsdp_v2.checkpoint import optimizer_state_dict
-    from megatron_fsdp_v2.dcp_format import FlatRangeShard
+    return {"model": {k: v.clone() for k, v in wrapper.state_dict().items()},
+            "optimizer": full_optimizer_state(wrapper, optimizer, wrapper.dp_group)}
 
-    full_optim = {}
-    for key, value in optimizer_state_dict(wrapper.module, optimizer.optimizer).items():
-        if key.startswith("param_groups."):
-            continue
-        if isinstance(value, FlatRangeShard):
-            flat = torch.zeros(value.shape.numel(), dtype=value.dtype)
-            flat[value.flat_start:value.flat_end] = value.local_flat
-            dist.all_reduce(flat, group=wrapper.dp_group)     # disjoint ranges: the sum assembles them
-            value = flat.view(value.shape)
-        full_optim[key] = value.detach().clone()
-    return {"model": {k: v.clone() for k, v in wrapper.state_dict().items()}, "optimizer": full_optim}
+
+@contextlib.contextmanager
+def _megatron_on_cpu(world_size, rank, iters, *extra_modules):
+    """Megatron patched for CPU, its parallel state for ``world_size`` ranks; yields this rank's batches."""
+    from tests.megatron_cpu import (destroy_megatron_parallel_state, init_megatron_parallel_state,
+                                    patch_megatron_for_cpu, synthetic_batches)
+
+    with patch_megatron_for_cpu(*extra_modules):
+        init_megatron_parallel_state(world_size)
+        try:
+            yield synthetic_batches(DATA_SEED + rank, iters * NMB, MBS, SEQ, VOCAB)
+        finally:
+            destroy_megatron_parallel_state()
 
 
 def _save(wrapper, optimizer, path):
@@ -134,53 +137,39 @@ def _error_cases(base):
 
 def save_worker(rank, world_size, base):
     import megatron_fsdp_v2
-    from tests.megatron_cpu import (destroy_megatron_parallel_state, init_megatron_parallel_state,
-                                    patch_megatron_for_cpu, synthetic_batches)
 
     out = {}
-    with patch_megatron_for_cpu():
-        init_megatron_parallel_state(world_size)
-        try:
-            batches = synthetic_batches(DATA_SEED + rank, (SAVED_ITERS + MORE_ITERS) * NMB, MBS, SEQ, VOCAB)
-            for strategy in STRATEGIES:
-                wrapper, config, optimizer = _model_and_optimizer(strategy)
-                _train(wrapper, config, optimizer, batches, SAVED_ITERS)
-                _save(wrapper, optimizer, os.path.join(base, strategy))
-                if strategy == "optim_grads":   # the core's DCP helpers take the wrapper and Megatron's optimizer too
-                    megatron_fsdp_v2.save_checkpoint(os.path.join(base, "core_dcp"), wrapper, optimizer)
-                saved = _full_state(wrapper, optimizer)
-                _train(wrapper, config, optimizer, batches[SAVED_ITERS * NMB:], MORE_ITERS)
-                out[strategy] = {"saved": saved, "continuous": _full_state(wrapper, optimizer)}
-        finally:
-            destroy_megatron_parallel_state()
+    with _megatron_on_cpu(world_size, rank, SAVED_ITERS + MORE_ITERS) as batches:
+        for strategy in STRATEGIES:
+            wrapper, config, optimizer = _model_and_optimizer(strategy)
+            _train(wrapper, config, optimizer, batches, SAVED_ITERS)
+            _save(wrapper, optimizer, os.path.join(base, strategy))
+            if strategy == "optim_grads":   # the core's DCP helpers take the wrapper and Megatron's optimizer too
+                megatron_fsdp_v2.save_checkpoint(os.path.join(base, "core_dcp"), wrapper, optimizer)
+            saved = _full_state(wrapper, optimizer)
+            _train(wrapper, config, optimizer, batches[SAVED_ITERS * NMB:], MORE_ITERS)
+            out[strategy] = {"saved": saved, "continuous": _full_state(wrapper, optimizer)}
     return out
 
 
 def load_worker(rank, world_size, base, pairs, resume, errors):
     import megatron_fsdp_v2
-    from tests.megatron_cpu import (destroy_megatron_parallel_state, init_megatron_parallel_state,
-                                    patch_megatron_for_cpu, synthetic_batches)
 
     out = {}
-    with patch_megatron_for_cpu():
-        init_megatron_parallel_state(world_size)
-        try:
-            batches = synthetic_batches(DATA_SEED + rank, (SAVED_ITERS + MORE_ITERS) * NMB, MBS, SEQ, VOCAB)
-            for saved, target in pairs:
-                wrapper, config, optimizer = _model_and_optimizer(target)
-                _load(wrapper, optimizer, os.path.join(base, saved))
-                result = {"loaded": _full_state(wrapper, optimizer)}
-                if resume and saved == target:
-                    _train(wrapper, config, optimizer, batches[SAVED_ITERS * NMB:], MORE_ITERS)
-                    result["resumed"] = _full_state(wrapper, optimizer)
-                out[(saved, target)] = result
-            if errors:
-                out["errors"] = _error_cases(base)
-                wrapper, _, optimizer = _model_and_optimizer("optim_grads_params")
-                megatron_fsdp_v2.load_checkpoint(os.path.join(base, "core_dcp"), wrapper, optimizer)
-                out["core_dcp"] = _full_state(wrapper, optimizer)
-        finally:
-            destroy_megatron_parallel_state()
+    with _megatron_on_cpu(world_size, rank, SAVED_ITERS + MORE_ITERS) as batches:
+        for saved, target in pairs:
+            wrapper, config, optimizer = _model_and_optimizer(target)
+            _load(wrapper, optimizer, os.path.join(base, saved))
+            result = {"loaded": _full_state(wrapper, optimizer)}
+            if resume and saved == target:
+                _train(wrapper, config, optimizer, batches[SAVED_ITERS * NMB:], MORE_ITERS)
+                result["resumed"] = _full_state(wrapper, optimizer)
+            out[(saved, target)] = result
+        if errors:
+            out["errors"] = _error_cases(base)
+            wrapper, _, optimizer = _model_and_optimizer("optim_grads_params")
+            megatron_fsdp_v2.load_checkpoint(os.path.join(base, "core_dcp"), wrapper, optimizer)
+            out["core_dcp"] = _full_state(wrapper, optimizer)
     return out
 
 
@@ -190,20 +179,16 @@ def megatron_lm_worker(rank, world_size, base, saved_strategy, loaded_strategy, 
     from megatron.training.global_vars import destroy_global_vars, set_global_variables
 
     from megatron_fsdp_v2.megatron.pretrain_gpt import parse_args
-    from tests.megatron_cpu import (destroy_megatron_parallel_state, init_megatron_parallel_state,
-                                    patch_megatron_for_cpu, synthetic_batches)
     from tests.unit.test_megatron_adapter import LAUNCHER_ARGS
 
     out = {}
-    with patch_megatron_for_cpu("megatron.training.checkpointing"):
-        init_megatron_parallel_state(world_size)
-        args = parse_args(LAUNCHER_ARGS + ["--save", base, "--load", base, "--save-interval", "2", "--no-save-rng", "--no-load-rng",
-                                           "--use-cpu-initialization"])
+    with _megatron_on_cpu(world_size, rank, SAVED_ITERS, "megatron.training.checkpointing") as batches:
+        args = parse_args(LAUNCHER_ARGS + ["--save", base, "--load", base, "--save-interval", "2", "--no-save-rng",
+                                           "--no-load-rng", "--use-cpu-initialization"])
         set_global_variables(args, build_tokenizer=False)
         # save_checkpoint reads the CUDA RNG state even with --no-save-rng (then drops it): CPU only.
         original_get_rng_state, checkpointing.get_rng_state = checkpointing.get_rng_state, lambda *a, **k: None
         try:
-            batches = synthetic_batches(DATA_SEED + rank, SAVED_ITERS * NMB, MBS, SEQ, VOCAB)
             wrapper, config, optimizer = _model_and_optimizer(saved_strategy, bf16=bf16)
             _train(wrapper, config, optimizer, batches, SAVED_ITERS)
             checkpointing.save_checkpoint(SAVED_ITERS, [wrapper], optimizer, None, 0)
@@ -217,7 +202,6 @@ def megatron_lm_worker(rank, world_size, base, saved_strategy, loaded_strategy, 
         finally:
             checkpointing.get_rng_state = original_get_rng_state
             destroy_global_vars()
-            destroy_megatron_parallel_state()
     return out
 
 

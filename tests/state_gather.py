@@ -1,0 +1,27 @@
+"""Full optimizer state from every rank's shards, for tests that compare checkpoints bitwise
+(CPU suite and functional suite)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def full_optimizer_state(model, optimizer, group=None) -> dict:
+    """``{"state.<name>.<key>": full tensor}`` of ``optimizer`` (torch or Megatron) over ``model``
+    (fully_shard module or the Megatron adapter): each rank's flat range, summed over ``group``
+    (the ranges are disjoint, so the sum assembles them). Hyperparameters are left out."""
+    from megatron_fsdp_v2.checkpoint import optimizer_state_dict
+    from megatron_fsdp_v2.dcp_format import FlatRangeShard
+
+    full = {}
+    for key, value in optimizer_state_dict(model, optimizer).items():
+        if key.startswith("param_groups."):
+            continue
+        if isinstance(value, FlatRangeShard):
+            flat = torch.zeros(value.shape.numel(), dtype=value.dtype, device=value.local_flat.device)
+            flat[value.flat_start:value.flat_end] = value.local_flat
+            dist.all_reduce(flat, group=group)
+            value = flat.view(value.shape)
+        full[key] = value.detach().cpu().clone()
+    return full

@@ -45,11 +45,12 @@ import torch
 
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-from ..checkpoint import load_optimizer_state_dict, model_state_dict, optimizer_state_dict
+from ..checkpoint import load_optimizer_state_dict, optimizer_state_dict
 from ..dcp_format import FlatRangeShard
 
 __all__ = ["FORMAT_KEY", "ShardedModelCheckpoint", "ShardedOptimizerCheckpoint", "from_loaded",
-           "install_optimizer_checkpointing", "to_sharded"]
+           "install_model_checkpointing", "install_optimizer_checkpointing", "model_sharded_state_dict",
+           "model_values_from_loaded", "to_sharded"]
 
 #: Marks an optimizer sharded state dict as ours; its value is the format version.
 FORMAT_KEY = "megatron_fsdp_v2_format"
@@ -109,6 +110,9 @@ def holds_nothing(template) -> bool:
     return isinstance(template, FlatRangeShard) and not template.boxes
 
 
+_SWAPPED: dict = {}     # (mixin, class) -> the subclass _with_mixin made
+
+
 def _with_mixin(obj, mixin: type) -> None:
     """Give ``obj`` the methods of ``mixin`` by swapping its class for a subclass whose own dict
     holds them (a second base would change the instance layout of Megatron's optimizers, which
@@ -126,15 +130,11 @@ def _with_mixin(obj, mixin: type) -> None:
     obj.__class__ = swapped
 
 
-_SWAPPED: dict = {}
-
-
 # ---------------------------------------------------------------- model
 class ShardedModelCheckpoint:
     """Gives the module Megatron-LM's checkpointing sees (``unwrap_model`` of our wrapper) a
     ``sharded_state_dict`` built from the wrapper's shards, not from its own (possibly freed)
     compute weights. Installed by ``FullyShardedDataParallel``."""
-
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
         wrapper = self._fsdp_v2_wrapper()

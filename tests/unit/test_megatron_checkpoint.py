@@ -298,3 +298,28 @@ def test_launcher_rejects_other_checkpoint_formats(ckpt_format):
     check_launcher_args(args)
     args.ckpt_format, args.save = ckpt_format, None   # no checkpoints: any format is fine
     check_launcher_args(args)
+
+
+def test_flat_ranges_become_box_sharded_tensors_and_back():
+    from megatron_fsdp_v2.dcp_format import FlatRangeShard
+    from megatron_fsdp_v2.megatron.dist_checkpoint import from_loaded, to_sharded
+
+    full = torch.arange(15.0).view(3, 5)
+    shard = FlatRangeShard((3, 5), full.reshape(-1)[3:12].clone(), 3)
+    boxes = to_sharded("w", shard, dp_rank=1)
+    assert [(b.global_offset, b.local_shape, b.replica_id, b.axis_fragmentations) for b in boxes.values()] == [
+        ((0, 3), (1, 2), 0, None), ((1, 0), (1, 5), 0, None), ((2, 0), (1, 2), 0, None)]
+    assert all(torch.equal(b.data, full[b.global_slice()]) for b in boxes.values())
+    back = from_loaded("w", shard, {k: b.data.clone() for k, b in boxes.items()})
+    assert (back.flat_start, back.flat_end) == (3, 12) and torch.equal(back.local_flat, shard.local_flat)
+    # a 0-d parameter travels as shape (1,); a rank without a box saves nothing for it
+    scalar = to_sharded("s", FlatRangeShard((), torch.tensor([2.5]), 0), dp_rank=0)
+    assert [(b.global_shape, b.global_offset, b.local_shape) for b in scalar.values()] == [((1,), (0,), (1,))]
+    assert to_sharded("s", FlatRangeShard((), torch.empty(0), 1), dp_rank=1) == {}
+    # replicated tensors: one ShardedTensor, written by data-parallel rank 0 only
+    replicated = to_sharded("b", torch.ones(4), dp_rank=3)
+    assert (replicated.global_shape, replicated.replica_id) == ((4,), 3)
+    with pytest.raises(ValueError, match=r"w: expected this rank's 3 boxes .*got a tensor of shape \(15,\)"):
+        from_loaded("w", shard, torch.zeros(15))
+    with pytest.raises(ValueError, match=r"w: the loaded boxes hold 3 elements, this rank owns 9"):
+        from_loaded("w", shard, {"box0": torch.zeros(1), "box1": torch.zeros(1), "box2": torch.zeros(1)})

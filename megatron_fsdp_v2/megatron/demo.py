@@ -17,7 +17,9 @@ decay; built by ``megatron_fsdp_v2.megatron.get_optimizer``). A first run uses M
   micro-batches: DDP 2, ZeRO-1 2, ZeRO-2 k+1 (reduce-scatter every micro-batch keeps the
   gradients sharded), ZeRO-3 3k (all-gather in forward and in backward, reduce-scatter);
 * persistent bytes per rank (weights, main weights, gradients, Adam state) against ZeRO's
-  formula for fp32 training (16 Psi for DDP down to 16 Psi / N for ZeRO-3).
+  formula for fp32 training (16 Psi for DDP down to 16 Psi / N for ZeRO-3);
+* a checkpoint round trip: each run's final state saved with Megatron's ``dist_checkpointing``
+  (``--ckpt-format torch_dist``) and loaded into a fresh model of the next strategy.
 
 Megatron hard-codes CUDA in a few places; the workers apply the CPU patches of
 ``megatron_fsdp_v2.megatron.cpu_compat`` (demo/test only, never used by the library itself).
@@ -29,8 +31,10 @@ import argparse
 import functools
 import logging
 import os
+import shutil
 import socket
 import sys
+import tempfile
 import time
 import warnings
 from typing import Dict, List
@@ -212,8 +216,45 @@ def _run(opts, batches, strategy: str, rank: int) -> dict:
         comm = wrapped.comm_stats()
         persistent = wrapped.persistent_bytes()["total"]
         state = wrapped.state_dict()
+        _checkpoint(wrapped, optimizer, os.path.join(opts.ckpt_root, strategy), save=True)
     return dict(label=label, strategy=strategy, losses=losses, comm=comm, persistent=persistent,
-                adam=adam_bytes, state=state, numel=numel)
+                adam=adam_bytes, state=state, numel=numel, step=_adam_steps(optimizer))
+
+
+def _adam_steps(optimizer) -> set:
+    return {float(state["step"]) for state in optimizer.optimizer.state.values() if "step" in state}
+
+
+def _checkpoint(wrapped, optimizer, path: str, save: bool) -> None:
+    """Megatron's dist_checkpointing (what ``--ckpt-format torch_dist`` writes): every rank writes
+    its shards; a load reads them at any strategy."""
+    from megatron.core import dist_checkpointing
+
+    model_sd = wrapped.sharded_state_dict()
+    sd = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=not save)}
+    if save:
+        if dist.get_rank() == 0:
+            os.makedirs(path)
+        dist.barrier()
+        dist_checkpointing.save(sd, path)
+        return
+    loaded = dist_checkpointing.load(sd, path)
+    wrapped.load_state_dict(loaded["model"])
+    optimizer.load_state_dict(loaded["optimizer"])
+
+
+def _reload(opts, saved: str, target: str) -> bool:
+    """Load ``saved``'s checkpoint into a fresh ``target`` model: same weights bitwise, same Adam step?"""
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    from . import FullyShardedDataParallel, get_optimizer
+
+    model, config = _build_gpt(opts)
+    wrapped = FullyShardedDataParallel(config, DistributedDataParallelConfig(data_parallel_sharding_strategy=target),
+                                       model)
+    optimizer = get_optimizer(_optimizer_config(opts, True), [wrapped])
+    _checkpoint(wrapped, optimizer, os.path.join(opts.ckpt_root, saved), save=False)
+    return wrapped.state_dict(), _adam_steps(optimizer)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -236,7 +277,7 @@ def _table(rows: List[dict], opts, world: int) -> str:
     psi = 4 * ref["numel"]
     mb = 1 / 2 ** 20
     header = (f"{'run':<29}{'final loss':>10}{'|dW|/|W| vs ref':>17}{'moved/step':>12}{'= x Psi':>9}"
-              f"{'ZeRO x Psi':>11}{'persistent/rank':>17}{'ZeRO':>9}")
+              f"{'ZeRO x Psi':>11}{'persistent/rank':>17}{'ZeRO':>9}  {'checkpoint -> loaded as'}")
     lines = [header, "-" * len(header)]
     ref_norm = sum(v.double().pow(2).sum().item() for v in ref["state"].values()) ** 0.5
     for r in rows:
@@ -253,8 +294,14 @@ def _table(rows: List[dict], opts, world: int) -> str:
             t_moved, t_mem = _zero_theory(r["strategy"], k, world)
             moved, ratio, theory_moved = f"{per_step * mb:8.2f}MB", f"{per_step / psi:7.3f}", f"{t_moved:>7}"
             theory_mem = f"{t_mem * psi * mb:7.2f}MB"
+        if "reloaded" in r:
+            target, weights, steps = r["reloaded"]
+            same = all(torch.equal(weights[key], r["state"][key]) for key in r["state"]) and steps == r["step"]
+            reloaded = f"{target}: {'bitwise' if same else 'DIFFERS'}"
+        else:
+            reloaded = "-"
         lines.append(f"{r['label']:<29}{r['losses'][-1]:>10.5f}{dw / ref_norm:>17.1e}{moved:>12}{ratio:>9}"
-                     f"{theory_moved:>11}{persistent * mb:>15.2f}MB{theory_mem:>9}")
+                     f"{theory_moved:>11}{persistent * mb:>15.2f}MB{theory_mem:>9}  {reloaded}")
     lines += [
         "",
         f"Psi = {ref['numel']:,} parameters x 4 bytes = {psi * mb:.2f} MB, N = {world} ranks, k = {k} micro-batches "
@@ -267,6 +314,9 @@ def _table(rows: List[dict], opts, world: int) -> str:
         "|dW|/|W|: final weights vs Megatron's own DDP; fp32 rounding (shard-wise grad norms and reductions sum "
         "in another order),",
         "  which Adam magnifies on weights whose true gradient is 0 (e.g. the key part of the QKV bias).",
+        "checkpoint: the run's final model and Adam state saved with Megatron's dist_checkpointing (--ckpt-format "
+        "torch_dist, each rank",
+        "  writes its shards) and loaded into a fresh model of the next strategy: weights and Adam step compared.",
     ]
     return "\n".join(lines)
 
@@ -304,6 +354,9 @@ def _worker(rank: int, world: int, opts, port: int) -> None:
                           "micro-batches per run:", flush=True)
                 batches = _batches(opts, rank)
                 rows = [_run(opts, batches, name, rank) for name in (REFERENCE, *STRATEGY_NAMES)]
+                for i, row in enumerate(rows[1:]):
+                    target = STRATEGY_NAMES[(i + 1) % len(STRATEGY_NAMES)]
+                    row["reloaded"] = (target, *_reload(opts, row["strategy"], target))
                 if rank == 0:
                     print()
                     print(_table(rows, opts, world), flush=True)
@@ -325,7 +378,11 @@ def main(argv=None) -> None:
     start = time.time()
     import torch.multiprocessing as mp
 
-    mp.spawn(_worker, args=(opts.nproc, opts, _free_port()), nprocs=opts.nproc, join=True)
+    opts.ckpt_root = tempfile.mkdtemp(prefix="megatron_fsdp_v2_demo_")
+    try:
+        mp.spawn(_worker, args=(opts.nproc, opts, _free_port()), nprocs=opts.nproc, join=True)
+    finally:
+        shutil.rmtree(opts.ckpt_root, ignore_errors=True)
     print(f"\ndone in {time.time() - start:.1f}s")
 
 

@@ -65,7 +65,8 @@ from megatron.core.distributed.data_parallel_base import _BaseDataParallel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from ..fully_shard import fully_shard
-from .dist_checkpoint import install_model_checkpointing, model_sharded_state_dict, model_values_from_loaded
+from .dist_checkpoint import (install_model_checkpointing, megatron_layout, model_sharded_state_dict,
+                              model_values_from_loaded)
 from ..mixed_precision import MixedPrecisionPolicy
 from ..strategy import STRATEGY_NAMES, get_strategy
 
@@ -267,6 +268,12 @@ class FullyShardedDataParallel(DistributedDataParallel):
         policy = _mixed_precision(config, ddp_config)
         units = self._unit_classes(module, fsdp_unit_modules, disable_bucketing, strategy.weights_sharded)
 
+        # Where Megatron's own sharded_state_dict puts each parameter (read while they are whole),
+        # so our checkpoints use its keys (stacked layers) and load into Megatron's DDP and back.
+        from megatron.core.transformer.module import Float16Module
+
+        unwrapped = module.module if isinstance(module, Float16Module) else module
+        self._megatron_layout = megatron_layout(unwrapped)
         fully_shard(module, sharding_strategy=strategy, process_group=dp_group, unit_modules=units,
                     mixed_precision=policy, check_for_nan_in_grad=bool(ddp_config.check_for_nan_in_grad))
         _BaseDataParallel.__init__(self, config=config, module=module)
@@ -295,12 +302,10 @@ class FullyShardedDataParallel(DistributedDataParallel):
         # reduce once in finish_grad_sync (ZeRO-2/3 still reduce-scatter every micro-batch).
         self._engine.sync_grads = bool(ddp_config.overlap_grad_reduce)
         # Strip "module." (Float16Module) from checkpoint keys, as Float16Module.state_dict does.
-        from megatron.core.transformer.module import Float16Module
-
-        self._ckpt_prefix = "module." if isinstance(module, Float16Module) else ""
+        self._ckpt_prefix = "module." if unwrapped is not module else ""
         # Megatron-LM's save_checkpoint asks unwrap_model(self) (below Float16Module) for its
         # sharded_state_dict: route that to ours.
-        install_model_checkpointing(module.module if self._ckpt_prefix else module, self)
+        install_model_checkpointing(unwrapped, self)
         self._annotate_main_params()
         logger.info("megatron_fsdp_v2 FullyShardedDataParallel: strategy=%s dp=%d units=%d policy=%s",
                     strategy.name, dist.get_world_size(dp_group), len(self._engine.units), policy)
@@ -478,7 +483,7 @@ class FullyShardedDataParallel(DistributedDataParallel):
         (dist_checkpoint.py, [Note: our shards as Megatron ShardedTensors]). The unwrapped module
         Megatron-LM's ``save_checkpoint`` asks gives the same. ``metadata`` is accepted and unused."""
         return model_sharded_state_dict(self._checkpoint_values(), dist.get_rank(self.dp_group), prefix,
-                                        sharded_offsets)
+                                        sharded_offsets, self._megatron_layout)
 
     def load_state_dict(self, state_dict, strict: bool = True):
         """Load full tensors (keys as ``state_dict()`` gives them) or what ``dist_checkpointing.load``

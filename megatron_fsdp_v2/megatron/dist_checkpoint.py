@@ -14,12 +14,14 @@ optimizers ``ShardedOptimizerCheckpoint`` and the wrapper gives the unwrapped mo
 
 [Note: our shards as Megatron ShardedTensors]
 The values are the ones ``dcp.save`` gets from the core (checkpoint.py, [Note: the checkpoint
-format]): keys are parameter names, shapes the original shapes, so checkpoints reshard across
-data-parallel sizes and strategies. Each value becomes:
+format]); the keys are Megatron's own. ``megatron_layout`` reads, once, while the parameters are
+still whole, where the module's own ``sharded_state_dict`` puts each parameter: transformer layers
+are stacked under one key (``decoder.layers.mlp.linear_fc1.weight``, global shape
+``(num_layers, *shape)``, the layer number an offset on the leading axis). Each value becomes:
 
 * a ``FlatRangeShard`` (one rank's flat range of a parameter or of its per-element optimizer state)
   -> ``{"box0": ShardedTensor, "box1": ...}``, one ShardedTensor per box of the range
-  (dcp_format.py, [Note: flat ranges as DCP chunks]), all under the tensor's key, with
+  (dcp_format.py, [Note: flat ranges as DCP chunks]), shaped ``(1, *box)`` under a stacked key, with
   ``axis_fragmentations=None``: Megatron's uneven sharding, which it hands to DCP chunk by chunk.
   The data are views of the main weights / optimizer state. A rank that owns no element of a
   tensor leaves its key out: Megatron saves rank 0's non-tensor leftovers (an empty dict or list
@@ -29,27 +31,32 @@ data-parallel sizes and strategies. Each value becomes:
   ``replica_id`` = data-parallel rank, so rank 0 writes it; 0-d tensors travel as shape ``(1,)``;
 * optimizer hyperparameters -> common state (rank 0's ``common.pt``), as Megatron stores its own.
 
-``dist_checkpointing.load`` returns the same structure with tensors in place of ShardedTensors;
-``from_loaded`` turns a box dict back into this rank's ``FlatRangeShard`` and the core's loaders
-copy it into place. The model keys are the parameter names (``decoder.layers.0.mlp...``), not
-Megatron DDP's layer-stacked keys: these checkpoints load into ``FullyShardedDataParallel`` at any
-dp size and strategy, not into Megatron's own DDP.
+Megatron's ``_extra_state`` objects are passed through and tied aliases it leaves out
+(``output_layer.weight``) are left out, so a model checkpoint has exactly Megatron DDP's keys and
+global shapes: Megatron DDP checkpoints load into every strategy and ours into Megatron DDP
+(model state; the weights are saved in main precision). Since the keys and shapes do not depend on
+the layout, checkpoints reshard across data-parallel sizes and strategies. Optimizer state lives
+under ``optimizer.state.<param name>.<key>``, our own names. ``dist_checkpointing.load`` returns the
+same structure with tensors in place of ShardedTensors; ``from_loaded`` turns a box dict back into
+this rank's ``FlatRangeShard`` and the core's loaders copy it into place.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections import OrderedDict
+from typing import NamedTuple, Optional
 
 import torch
 
-from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
 from ..checkpoint import load_optimizer_state_dict, optimizer_state_dict
 from ..dcp_format import FlatRangeShard
 
-__all__ = ["FORMAT_KEY", "ShardedModelCheckpoint", "ShardedOptimizerCheckpoint", "from_loaded",
-           "install_model_checkpointing", "install_optimizer_checkpointing", "model_sharded_state_dict",
+__all__ = ["FORMAT_KEY", "Placement", "ShardedModelCheckpoint", "ShardedOptimizerCheckpoint", "from_loaded",
+           "install_model_checkpointing", "install_optimizer_checkpointing", "MegatronLayout", "megatron_layout", "model_sharded_state_dict",
            "model_values_from_loaded", "to_sharded"]
 
 #: Marks an optimizer sharded state dict as ours; its value is the format version.
@@ -65,22 +72,73 @@ def _describe(value) -> str:
     return type(value).__name__
 
 
-def to_sharded(key: str, value: torch.Tensor, dp_rank: int):
-    """One value of a core DCP state dict -> what Megatron's ``dist_checkpointing`` saves for it."""
+class Placement(NamedTuple):
+    """Where Megatron's own ``sharded_state_dict`` puts a parameter: its checkpoint key and the
+    leading axes it prepends (transformer layers are stacked under one key, the layer number is the
+    offset on a prepended axis). ``Placement(name)`` for a tensor without one."""
+
+    key: str
+    prepend_offsets: tuple = ()
+    prepend_shape: tuple = ()
+
+
+def to_sharded(key: str, value: torch.Tensor, dp_rank: int, placement: Optional[Placement] = None):
+    """One value of a core DCP state dict -> what Megatron's ``dist_checkpointing`` saves for it,
+    at ``placement`` (default: ``key``, no prepended axes)."""
+    key, lead_offsets, lead_shape = placement or Placement(key)
+    lead = (1,) * len(lead_shape)   # the prepended axes are part of each piece's shape (size 1 there)
     if isinstance(value, FlatRangeShard):
-        global_shape = tuple(value.shape) or (1,)
+        shape = tuple(value.shape) or (1,)     # a 0-d tensor travels as shape (1,)
         boxes = {}
         for i, (offsets, sizes, piece) in enumerate(value.pieces()):
-            if not value.shape:     # a 0-d tensor travels as shape (1,)
-                offsets, sizes, piece = (0,), (1,), piece.reshape(1)
-            boxes[f"box{i}"] = ShardedTensor(key=key, data=piece, dtype=piece.dtype, local_shape=tuple(sizes),
-                                             global_shape=global_shape, global_offset=tuple(offsets),
+            if not value.shape:
+                offsets, sizes = (0,), (1,)
+            piece = piece.reshape(lead + tuple(sizes))
+            boxes[f"box{i}"] = ShardedTensor(key=key, data=piece, dtype=piece.dtype, local_shape=tuple(piece.shape),
+                                             global_shape=lead_shape + shape, global_offset=lead_offsets + tuple(offsets),
                                              axis_fragmentations=None, replica_id=0)
         return boxes
     if isinstance(value, torch.Tensor):
-        data = value.detach().reshape(tuple(value.shape) or (1,))
-        return ShardedTensor.from_rank_offsets(key, data, replica_id=dp_rank)
+        data = value.detach().reshape(lead + (tuple(value.shape) or (1,)))
+        return ShardedTensor(key=key, data=data, dtype=data.dtype, local_shape=tuple(data.shape),
+                             global_shape=lead_shape + tuple(data.shape[len(lead):]),
+                             global_offset=lead_offsets + (0,) * (data.dim() - len(lead)),
+                             axis_fragmentations=lead_shape + (1,) * (data.dim() - len(lead)), replica_id=dp_rank)
     raise TypeError(f"{key}: only tensors can be checkpointed, got {type(value).__name__}.")
+
+
+class MegatronLayout(NamedTuple):
+    """What ``megatron_layout`` read from a module's own Megatron ``sharded_state_dict()``."""
+
+    placements: dict        # parameter name -> Placement
+    extra_objects: dict     # state-dict key -> ShardedObject (``*._extra_state``, e.g. None for local layers)
+
+
+def megatron_layout(module: torch.nn.Module) -> MegatronLayout:
+    """Read ``module``'s own Megatron ``sharded_state_dict()`` while its parameters are still whole
+    (before sharding): the Placement of every parameter it saves as one unsplit ShardedTensor
+    (tensor parallel size 1; tied names it leaves out get none), and its ``_extra_state`` objects
+    (static without FP8, which the wrapper rejects), so that our checkpoints carry Megatron's keys
+    and load into Megatron's DDP and back. A module without Megatron's ``sharded_state_dict``
+    gives an empty layout (plain parameter names)."""
+    build = getattr(module, "sharded_state_dict", None)
+    if build is None:
+        return MegatronLayout({}, {})
+    names = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        names.setdefault((param.data_ptr(), tuple(param.shape)), name)
+    placements, extras = {}, {}
+    for state_key, entry in build().items():
+        if isinstance(entry, ShardedObject) and state_key.endswith("._extra_state"):
+            extras[state_key] = entry
+        if not isinstance(entry, ShardedTensor) or entry.data is None:
+            continue
+        name = names.get((entry.data.data_ptr(), tuple(entry.data.shape)))
+        lead = entry.prepend_axis_num
+        if name is None or tuple(entry.global_shape[lead:]) != tuple(entry.data.shape):
+            continue
+        placements[name] = Placement(entry.key, tuple(entry.global_offset[:lead]), tuple(entry.global_shape[:lead]))
+    return MegatronLayout(placements, extras)
 
 
 def from_loaded(key: str, template: torch.Tensor, loaded) -> torch.Tensor:
@@ -150,13 +208,25 @@ def install_model_checkpointing(module: torch.nn.Module, wrapper) -> None:
 
 
 def model_sharded_state_dict(values: "OrderedDict[str, torch.Tensor]", dp_rank: int, prefix: str = "",
-                             sharded_offsets: tuple = ()) -> dict:
+                             sharded_offsets: tuple = (), layout: Optional[MegatronLayout] = None) -> dict:
     """``sharded_state_dict`` of a model whose core DCP values are ``values`` (keys as
-    ``state_dict()`` gives them)."""
+    ``state_dict()`` gives them), at Megatron's own placements where ``layout`` has them, with its
+    ``_extra_state`` objects; tied aliases Megatron leaves out are left out too."""
     if sharded_offsets:
         raise ValueError(f"sharded_state_dict: sharded_offsets are for pipeline-parallel layer offsets, which "
                          f"FullyShardedDataParallel does not support (PP=1); got {sharded_offsets!r}.")
-    return _drop_empty({prefix + key: to_sharded(prefix + key, value, dp_rank) for key, value in values.items()})
+    placements, extras = layout or MegatronLayout({}, {})
+    out, placed = {}, set()
+    for key, value in values.items():
+        placement = placements.get(key)
+        if placement is None and id(value) in placed:
+            continue            # a tied alias of a parameter Megatron saves under another name
+        if placement is not None:
+            placed.add(id(value))
+            placement = placement._replace(key=prefix + placement.key)
+        out[prefix + key] = to_sharded(prefix + key, value, dp_rank, placement)
+    out.update((prefix + key, dataclasses.replace(obj, key=prefix + obj.key)) for key, obj in extras.items())
+    return _drop_empty(out)
 
 
 def _drop_empty(sharded: dict) -> dict:

@@ -8,6 +8,7 @@ Adam (``DistributedOptimizer`` on its ``use_megatron_fsdp`` path), on a tiny GPT
 * Same strategy and dp: 2 more iterations after the load equal the continuous run bitwise.
 * Megatron-LM's own ``save_checkpoint`` / ``load_checkpoint`` (megatron.training.checkpointing)
   round-trip the wrapper and optimizer at dp 2 into another strategy.
+* Checkpoints interchange with Megatron's own DDP (same keys: layers stacked under one key).
 * The core's ``save_checkpoint`` / ``load_checkpoint`` accept the wrapper and Megatron's optimizer.
 * Errors: a checkpoint of another model names the mis-shaped key (Megatron's check); a foreign optimizer dict names
   the format key; pipeline offsets are rejected.
@@ -205,6 +206,58 @@ def megatron_lm_worker(rank, world_size, base, saved_strategy, loaded_strategy, 
     return out
 
 
+def interop_worker(rank, world_size, base, bf16):
+    """Megatron's own DDP checkpoint -> our wrapper, and ours -> Megatron's DDP (model state).
+    bf16: Megatron DDP saves bf16 weights, we save fp32 main weights; loads cast (compared in bf16)."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    from tests.megatron_cpu import build_tiny_gpt, wrap_megatron_ddp
+
+    def megatron_ddp(seed):
+        model, config = build_tiny_gpt(seed, vocab=VOCAB, seq=SEQ, bf16=bf16)
+        if bf16:
+            from megatron.core.transformer.module import Float16Module
+
+            return model, wrap_megatron_ddp(Float16Module(config, model), config)
+        return model, wrap_megatron_ddp(model, config)
+
+    def weights(state):
+        dtype = torch.bfloat16 if bf16 else torch.float32
+        return {k: v.detach().to(dtype) for k, v in state.items() if not k.endswith("._extra_state")}
+
+    def fresh_dir(name):
+        path = os.path.join(base, name)
+        if rank == 0:
+            os.makedirs(path)
+        dist.barrier()
+        return path
+
+    out = {}
+    with _megatron_on_cpu(world_size, rank, 0):
+        model, ddp = megatron_ddp(7)
+        want = weights(model.state_dict())
+        path = fresh_dir("megatron_ddp")
+        # as Megatron-LM's save_checkpoint does: the unwrapped model's sharded_state_dict
+        dist_checkpointing.save({"model": model.sharded_state_dict()}, path)
+        out["megatron_keys"] = sorted(dist_checkpointing.load_tensors_metadata(path))
+        for strategy in STRATEGIES:
+            wrapper, _, _ = _model_and_optimizer(strategy, bf16=bf16)
+            loaded = dist_checkpointing.load({"model": wrapper.sharded_state_dict()}, path)
+            wrapper.load_state_dict(loaded["model"])
+            got = weights(wrapper.state_dict())
+            out[("from_megatron_ddp", strategy)] = sorted(k for k in want if not torch.equal(got[k], want[k]))
+            path_ours = fresh_dir(f"ours_{strategy}")
+            dist_checkpointing.save({"model": wrapper.sharded_state_dict()}, path_ours)
+            out[("our_keys", strategy)] = sorted(dist_checkpointing.load_tensors_metadata(path_ours))
+            model, ddp = megatron_ddp(8)
+            loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, path_ours)
+            ddp.load_state_dict(loaded["model"])
+            back = weights(model.state_dict())
+            out[("to_megatron_ddp", strategy)] = sorted(k for k in want if not torch.equal(back[k], got[k]))
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # Parent side
 # ---------------------------------------------------------------------------------------------
@@ -323,3 +376,16 @@ def test_flat_ranges_become_box_sharded_tensors_and_back():
         from_loaded("w", shard, torch.zeros(15))
     with pytest.raises(ValueError, match=r"w: the loaded boxes hold 3 elements, this rank owns 9"):
         from_loaded("w", shard, {"box0": torch.zeros(1), "box1": torch.zeros(1), "box2": torch.zeros(1)})
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_checkpoints_interchange_with_megatron_ddp(tmp_path, bf16):
+    """Same keys as Megatron's DDP (layers stacked under decoder.layers.*): a Megatron DDP
+    checkpoint loads into every strategy, and every strategy's loads into Megatron's DDP."""
+    results = run_distributed(interop_worker, 2, str(tmp_path), bf16, timeout=300)
+    for out in results:
+        assert "decoder.layers.mlp.linear_fc1.weight" in out["megatron_keys"]
+        for strategy in STRATEGIES:
+            assert out[("our_keys", strategy)] == out["megatron_keys"], strategy
+            assert out[("from_megatron_ddp", strategy)] == [], strategy
+            assert out[("to_megatron_ddp", strategy)] == [], strategy

@@ -44,6 +44,7 @@ this rank's ``FlatRangeShard`` and the core's loaders copy it into place.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import weakref
 from collections import OrderedDict
 from typing import NamedTuple, Optional
@@ -58,6 +59,8 @@ from ..dcp_format import FlatRangeShard
 __all__ = ["FORMAT_KEY", "Placement", "ShardedModelCheckpoint", "ShardedOptimizerCheckpoint", "from_loaded",
            "install_model_checkpointing", "install_optimizer_checkpointing", "MegatronLayout", "megatron_layout", "model_sharded_state_dict",
            "model_values_from_loaded", "to_sharded"]
+
+logger = logging.getLogger(__name__)
 
 #: Marks an optimizer sharded state dict as ours; its value is the format version.
 FORMAT_KEY = "megatron_fsdp_v2_format"
@@ -124,11 +127,18 @@ def megatron_layout(module: torch.nn.Module) -> MegatronLayout:
     build = getattr(module, "sharded_state_dict", None)
     if build is None:
         return MegatronLayout({}, {})
+    try:
+        entries = build()
+    except Exception as exc:  # noqa: BLE001 - any failure only costs the Megatron key names
+        logger.warning("megatron_fsdp_v2: %s.sharded_state_dict() failed (%s: %s); checkpoints use parameter "
+                       "names instead of Megatron's keys (still complete and reshardable, but not loadable by "
+                       "Megatron's own DDP).", type(module).__name__, type(exc).__name__, exc)
+        return MegatronLayout({}, {})
     names = {}
     for name, param in module.named_parameters(remove_duplicate=False):
         names.setdefault((param.data_ptr(), tuple(param.shape)), name)
     placements, extras = {}, {}
-    for state_key, entry in build().items():
+    for state_key, entry in entries.items():
         if isinstance(entry, ShardedObject) and state_key.endswith("._extra_state"):
             extras[state_key] = entry
         if not isinstance(entry, ShardedTensor) or entry.data is None:

@@ -389,3 +389,18 @@ def test_checkpoints_interchange_with_megatron_ddp(tmp_path, bf16):
             assert out[("our_keys", strategy)] == out["megatron_keys"], strategy
             assert out[("from_megatron_ddp", strategy)] == [], strategy
             assert out[("to_megatron_ddp", strategy)] == [], strategy
+
+
+def test_layout_falls_back_to_parameter_names(caplog):
+    from megatron_fsdp_v2.megatron.dist_checkpoint import megatron_layout, model_sharded_state_dict
+
+    class Broken(torch.nn.Linear):
+        def sharded_state_dict(self, *args, **kwargs):
+            raise RuntimeError("no parallel state")
+
+    assert megatron_layout(torch.nn.Linear(2, 2)) == ({}, {})
+    with caplog.at_level("WARNING"):
+        assert megatron_layout(Broken(2, 2)) == ({}, {})
+    assert "Broken.sharded_state_dict() failed (RuntimeError: no parallel state)" in caplog.text
+    sharded = model_sharded_state_dict({"weight": torch.ones(2, 2)}, dp_rank=0)
+    assert sharded["weight"].key == "weight" and sharded["weight"].global_shape == (2, 2)

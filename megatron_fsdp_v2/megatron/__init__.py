@@ -7,7 +7,8 @@
 * ``get_optimizer`` (``optimizer.py``): ``megatron.core.optimizer.get_megatron_optimizer`` for
   wrapped model chunks (weight decay by the parameters' original shapes, correct global grad norm).
 * ``dist_checkpoint``: Megatron's ``dist_checkpointing`` (``--ckpt-format torch_dist``) for both:
-  ``wrapper.sharded_state_dict()`` / ``optimizer.sharded_state_dict()`` and their ``load_state_dict``.
+  ``wrapper.sharded_state_dict()`` / ``optimizer.sharded_state_dict()`` and their ``load_state_dict``;
+  ``save_dist_checkpoint`` / ``load_dist_checkpoint`` do both in one call.
 * ``python -m megatron_fsdp_v2.megatron.pretrain_gpt <megatron args>``: Megatron-LM GPT pretraining
   (mock data) with our wrapper as the data-parallel class (GPU).
 * ``cpu_compat``: CPU patches for Megatron, for the demo and the tests only.
@@ -25,6 +26,8 @@ _EXPORTS = {
     "ORIGINAL_SHAPE_ATTR": "adapter",
     "get_optimizer": "optimizer",
     "install_optimizer_checkpointing": "dist_checkpoint",
+    "load_dist_checkpoint": "dist_checkpoint",
+    "save_dist_checkpoint": "dist_checkpoint",
     "with_original_shapes": "optimizer",
 }
 

@@ -168,7 +168,7 @@ def _run(opts, batches, strategy: str, rank: int) -> dict:
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from . import FullyShardedDataParallel, get_optimizer
+    from . import FullyShardedDataParallel, get_optimizer, save_dist_checkpoint
 
     model, config = _build_gpt(opts)
     numel = sum(p.numel() for p in model.parameters())
@@ -216,7 +216,7 @@ def _run(opts, batches, strategy: str, rank: int) -> dict:
         comm = wrapped.comm_stats()
         persistent = wrapped.persistent_bytes()["total"]
         state = wrapped.state_dict()
-        _checkpoint(wrapped, optimizer, os.path.join(opts.ckpt_root, strategy), save=True)
+        save_dist_checkpoint(os.path.join(opts.ckpt_root, strategy), wrapped, optimizer)
     return dict(label=label, strategy=strategy, losses=losses, comm=comm, persistent=persistent,
                 adam=adam_bytes, state=state, numel=numel, step=_adam_steps(optimizer))
 
@@ -225,35 +225,17 @@ def _adam_steps(optimizer) -> set:
     return {float(state["step"]) for state in optimizer.optimizer.state.values() if "step" in state}
 
 
-def _checkpoint(wrapped, optimizer, path: str, save: bool) -> None:
-    """Megatron's dist_checkpointing (what ``--ckpt-format torch_dist`` writes): every rank writes
-    its shards; a load reads them at any strategy."""
-    from megatron.core import dist_checkpointing
-
-    model_sd = wrapped.sharded_state_dict()
-    sd = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=not save)}
-    if save:
-        if dist.get_rank() == 0:
-            os.makedirs(path)
-        dist.barrier()
-        dist_checkpointing.save(sd, path)
-        return
-    loaded = dist_checkpointing.load(sd, path)
-    wrapped.load_state_dict(loaded["model"])
-    optimizer.load_state_dict(loaded["optimizer"])
-
-
 def _reload(opts, saved: str, target: str) -> bool:
     """Load ``saved``'s checkpoint into a fresh ``target`` model: same weights bitwise, same Adam step?"""
     from megatron.core.distributed import DistributedDataParallelConfig
 
-    from . import FullyShardedDataParallel, get_optimizer
+    from . import FullyShardedDataParallel, get_optimizer, load_dist_checkpoint
 
     model, config = _build_gpt(opts)
     wrapped = FullyShardedDataParallel(config, DistributedDataParallelConfig(data_parallel_sharding_strategy=target),
                                        model)
     optimizer = get_optimizer(_optimizer_config(opts, True), [wrapped])
-    _checkpoint(wrapped, optimizer, os.path.join(opts.ckpt_root, saved), save=False)
+    load_dist_checkpoint(os.path.join(opts.ckpt_root, saved), wrapped, optimizer)
     return wrapped.state_dict(), _adam_steps(optimizer)
 
 

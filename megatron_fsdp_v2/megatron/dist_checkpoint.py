@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import weakref
 from collections import OrderedDict
 from typing import NamedTuple, Optional
@@ -57,8 +58,8 @@ from ..checkpoint import load_optimizer_state_dict, optimizer_state_dict
 from ..dcp_format import FlatRangeShard
 
 __all__ = ["FORMAT_KEY", "Placement", "ShardedModelCheckpoint", "ShardedOptimizerCheckpoint", "from_loaded",
-           "install_model_checkpointing", "install_optimizer_checkpointing", "MegatronLayout", "megatron_layout", "model_sharded_state_dict",
-           "model_values_from_loaded", "to_sharded"]
+           "install_model_checkpointing", "install_optimizer_checkpointing", "load_dist_checkpoint", "MegatronLayout", "megatron_layout", "model_sharded_state_dict",
+           "model_values_from_loaded", "save_dist_checkpoint", "to_sharded"]
 
 logger = logging.getLogger(__name__)
 
@@ -328,3 +329,36 @@ def install_optimizer_checkpointing(optimizer, chunks) -> None:
         _with_mixin(leaf, ShardedOptimizerCheckpoint)
         leaf._fsdp_v2_model = chunk.module
         leaf._fsdp_v2_dp_rank = torch.distributed.get_rank(chunk.dp_group)
+
+
+# ---------------------------------------------------------------- one call each
+def save_dist_checkpoint(path: "str | os.PathLike", model, optimizer=None) -> None:
+    """Write ``{"model": model.sharded_state_dict(), "optimizer": optimizer.sharded_state_dict(...)}``
+    with ``dist_checkpointing.save`` into directory ``path`` (created; must be empty), the layout of
+    Megatron-LM's ``--ckpt-format torch_dist``. For loops other than Megatron-LM's."""
+    from megatron.core import dist_checkpointing
+
+    path = os.fspath(path)
+    model_sd = model.sharded_state_dict()
+    state = {"model": model_sd}
+    if optimizer is not None:
+        state["optimizer"] = optimizer.sharded_state_dict(model_sd)
+    if torch.distributed.get_rank() == 0:
+        os.makedirs(path, exist_ok=True)
+    torch.distributed.barrier()
+    dist_checkpointing.save(state, path)
+
+
+def load_dist_checkpoint(path: "str | os.PathLike", model, optimizer=None) -> None:
+    """Load what ``save_dist_checkpoint`` (or Megatron-LM, or Megatron's DDP for the model part)
+    wrote, at any data-parallel size and strategy."""
+    from megatron.core import dist_checkpointing
+
+    model_sd = model.sharded_state_dict()
+    state = {"model": model_sd}
+    if optimizer is not None:
+        state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=True)
+    loaded = dist_checkpointing.load(state, os.fspath(path))
+    model.load_state_dict(loaded["model"])
+    if optimizer is not None:
+        optimizer.load_state_dict(loaded["optimizer"])

@@ -159,27 +159,13 @@ def _megatron_snapshot(wrapped, optimizer) -> tuple:
     return weights, full_optimizer_state(wrapped, optimizer, wrapped.dp_group)
 
 
-def _dist_checkpoint(wrapped, optimizer, path: str, load: bool) -> None:
-    from megatron.core import dist_checkpointing
-
-    model_sd = wrapped.sharded_state_dict()
-    sd = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=load)}
-    if not load:
-        if dist.get_rank() == 0:
-            os.makedirs(path)
-        harness.barrier()
-        dist_checkpointing.save(sd, path)
-        return
-    loaded = dist_checkpointing.load(sd, path)
-    wrapped.load_state_dict(loaded["model"])
-    optimizer.load_state_dict(loaded["optimizer"])
-
-
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_megatron_dist_checkpoint_changes_strategy_and_resumes(world, strategy):
     """The adapter + get_optimizer through Megatron's dist_checkpointing (what ``--ckpt-format
     torch_dist`` writes): save with S, load with the next strategy (weights and Adam state bitwise),
     load with S again and take one more Megatron step next to the model that never left (bitwise)."""
+    from megatron_fsdp_v2.megatron import load_dist_checkpoint, save_dist_checkpoint
+
     from .training import _megatron_schedule_loop
 
     spec = dataclasses.replace(harness.short_spec(), iters=2)
@@ -190,17 +176,17 @@ def test_megatron_dist_checkpoint_changes_strategy_and_resumes(world, strategy):
     target = _next(strategy)
     with harness.shared_tmpdir(world) as root:
         path = os.path.join(root, "megatron")
-        _dist_checkpoint(source, source_opt, path, load=False)
+        save_dist_checkpoint(path, source, source_opt)
         other, _, other_opt = _megatron_wrapper(dataclasses.replace(spec, model_seed=spec.model_seed + 1), world,
                                                 target)
-        _dist_checkpoint(other, other_opt, path, load=True)
+        load_dist_checkpoint(path, other, other_opt)
         got = _megatron_snapshot(other, other_opt)
         failures += _summarise(_differences(got[0], want[0], ""), f"weights loaded with {target}")
         failures += _summarise(_differences(got[1], want[1], ""), f"Adam state loaded with {target}")
         del other, other_opt
         back, back_config, back_opt = _megatron_wrapper(dataclasses.replace(spec, model_seed=spec.model_seed + 1),
                                                         world, strategy)
-        _dist_checkpoint(back, back_opt, path, load=True)
+        load_dist_checkpoint(path, back, back_opt)
     one = dataclasses.replace(spec, iters=1)
     loss_a, _ = _megatron_schedule_loop(source, config, source_opt, one, world)
     loss_b, _ = _megatron_schedule_loop(back, back_config, back_opt, one, world)

@@ -97,20 +97,15 @@ def _megatron_on_cpu(world_size, rank, iters, *extra_modules):
 
 
 def _save(wrapper, optimizer, path):
-    from megatron.core import dist_checkpointing
+    from megatron_fsdp_v2.megatron import save_dist_checkpoint
 
-    model_sd = wrapper.sharded_state_dict()
-    dist_checkpointing.save({"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd)}, path)
+    save_dist_checkpoint(path, wrapper, optimizer)
 
 
 def _load(wrapper, optimizer, path):
-    from megatron.core import dist_checkpointing
+    from megatron_fsdp_v2.megatron import load_dist_checkpoint
 
-    model_sd = wrapper.sharded_state_dict()
-    template = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=True)}
-    loaded = dist_checkpointing.load(template, path)
-    wrapper.load_state_dict(loaded["model"])
-    optimizer.load_state_dict(loaded["optimizer"])
+    load_dist_checkpoint(path, wrapper, optimizer)
 
 
 def _error_cases(base):

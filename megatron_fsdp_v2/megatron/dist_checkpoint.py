@@ -256,7 +256,10 @@ def model_values_from_loaded(values: "OrderedDict[str, torch.Tensor]", state_dic
                                                                  and value.shape != template.shape)):
             value = from_loaded(key, template, value)
         out[key] = value
-    if any(isinstance(v, dict) for v in state_dict.values()):   # a dist_checkpointing.load result
+    # A dist_checkpointing.load result (box dicts) lacks the keys this rank holds nothing of (see
+    # _drop_empty). A dict of full tensors is the same on every rank, so its missing keys must be
+    # reported by every rank alike (a rank that went on would wait in the weight refresh).
+    if any(isinstance(v, dict) for v in state_dict.values()):
         out.update((key, from_loaded(key, template, {})) for key, template in values.items()
                    if key not in out and holds_nothing(template))
     return out

@@ -128,6 +128,12 @@ def _error_cases(base):
         errors["offsets"] = str(exc)
     loaded = dist_checkpointing.load({"model": wrapper.sharded_state_dict()}, os.path.join(base, "optim_grads"))
     errors["loads_model_only"] = sorted(wrapper.load_state_dict(loaded["model"]).missing_keys)
+    full = wrapper.state_dict()
+    full.pop("decoder.final_layernorm.bias")       # a small tensor, possibly in one rank's shard only
+    try:
+        wrapper.load_state_dict(full)
+    except ValueError as exc:                      # on every rank (none may go on into a collective)
+        errors["missing_full_key"] = str(exc)
     return errors
 
 
@@ -304,6 +310,8 @@ def test_every_strategy_pair_at_dp2_and_resume_is_bitwise(checkpoints):
     assert "megatron_fsdp_v2_format" in errors["foreign_optimizer"]
     assert "sharded_offsets" in errors["offsets"] and "((0, 0, 2),)" in errors["offsets"]
     assert errors["loads_model_only"] == []
+    for out in results:
+        assert "missing keys ['decoder.final_layernorm.bias']" in out["errors"]["missing_full_key"]
     for rank, out in enumerate(results):   # save_checkpoint(path, wrapper, megatron_optimizer), ZeRO-2 -> ZeRO-3
         _assert_equal_states(out["core_dcp"], saved[rank]["optim_grads"]["saved"], f"core DCP helpers rank {rank}")
 

@@ -160,7 +160,11 @@ def from_loaded(key: str, template: torch.Tensor, loaded) -> torch.Tensor:
         if count == 0:
             local = template.local_flat.new_empty(0)
         elif isinstance(loaded, dict) and all(f"box{i}" in loaded for i in range(count)):
-            local = torch.cat([loaded[f"box{i}"].reshape(-1) for i in range(count)])
+            boxes = [loaded[f"box{i}"] for i in range(count)]
+            if all(box.data_ptr() == piece.data_ptr() and box.numel() == piece.numel()
+                   for box, (_, _, piece) in zip(boxes, template.pieces())):
+                return template     # dist_checkpointing.load filled the template's own views in place
+            local = torch.cat([box.reshape(-1) for box in boxes])
         else:
             raise ValueError(f"{key}: expected this rank's {count} boxes {{'box0': tensor, ...}}, as "
                              f"dist_checkpointing.load returns them for sharded_state_dict(), got {_describe(loaded)}.")
@@ -280,6 +284,8 @@ class ShardedOptimizerCheckpoint:
         state under ``optimizer.state.<param name>.<key>`` (see the module note). With no state yet
         (before the first step, or ``is_loading``), the state torch.optim would create is used."""
         values = optimizer_state_dict(self._fsdp_v2_model, self.optimizer)
+        if is_loading:      # dist_checkpointing.load fills these tensors in place: load_state_dict installs them
+            self._fsdp_v2_loading_template = values
         state = _drop_empty({k: to_sharded(f"optimizer.{k}", v, self._fsdp_v2_dp_rank)
                              for k, v in values.items() if not k.startswith("param_groups.")})
         groups = {k: v for k, v in values.items() if k.startswith("param_groups.")}
@@ -295,7 +301,8 @@ class ShardedOptimizerCheckpoint:
             raise ValueError(f"optimizer.load_state_dict: expected the dict sharded_state_dict() builds, filled by "
                              f"dist_checkpointing.load ({FORMAT_KEY}={FORMAT_VERSION}), got {FORMAT_KEY}={got!r}; "
                              "Megatron's other optimizer formats do not hold this optimizer's sharded state.")
-        templates = optimizer_state_dict(self._fsdp_v2_model, self.optimizer)
+        templates = (self.__dict__.pop("_fsdp_v2_loading_template", None)
+                     or optimizer_state_dict(self._fsdp_v2_model, self.optimizer))
         loaded_state, loaded_groups = state_dict.get("state", {}), state_dict.get("param_groups", {})
         missing = [k for k, t in templates.items()
                    if k not in loaded_state and k not in loaded_groups and not holds_nothing(t)]

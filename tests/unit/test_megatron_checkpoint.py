@@ -137,6 +137,23 @@ def _error_cases(base):
     return errors
 
 
+def _loads_in_place(base):
+    """(state tensors the optimizer holds after a load, of them the buffers dist_checkpointing
+    loaded into): equal when the load installs them without a copy."""
+    from megatron.core import dist_checkpointing
+
+    wrapper, _, optimizer = _model_and_optimizer("optim")
+    model_sd = wrapper.sharded_state_dict()
+    template = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=True)}
+    targets = {box.data.data_ptr() for entry in template["optimizer"]["state"].values() if isinstance(entry, dict)
+               for box in entry.values()}
+    loaded = dist_checkpointing.load(template, os.path.join(base, "optim"))
+    optimizer.load_state_dict(loaded["optimizer"])
+    held = [t.data_ptr() for state in optimizer.optimizer.state.values() for t in state.values()
+            if isinstance(t, torch.Tensor) and t.dim() > 0 and t.numel() > 0]
+    return len(held), sum(ptr in targets for ptr in held)
+
+
 def save_worker(rank, world_size, base):
     import megatron_fsdp_v2
 
@@ -172,6 +189,7 @@ def load_worker(rank, world_size, base, pairs, resume, errors):
             wrapper, _, optimizer = _model_and_optimizer("optim_grads_params")
             megatron_fsdp_v2.load_checkpoint(os.path.join(base, "core_dcp"), wrapper, optimizer)
             out["core_dcp"] = _full_state(wrapper, optimizer)
+            out["in_place"] = _loads_in_place(base)
     return out
 
 
@@ -312,6 +330,8 @@ def test_every_strategy_pair_at_dp2_and_resume_is_bitwise(checkpoints):
     assert errors["loads_model_only"] == []
     for out in results:
         assert "missing keys ['decoder.final_layernorm.bias']" in out["errors"]["missing_full_key"]
+        held, loaded_into = out["in_place"]
+        assert held > 0 and loaded_into == held, out["in_place"]
     for rank, out in enumerate(results):   # save_checkpoint(path, wrapper, megatron_optimizer), ZeRO-2 -> ZeRO-3
         _assert_equal_states(out["core_dcp"], saved[rank]["optim_grads"]["saved"], f"core DCP helpers rank {rank}")
 
@@ -368,6 +388,7 @@ def test_flat_ranges_become_box_sharded_tensors_and_back():
     assert all(torch.equal(b.data, full[b.global_slice()]) for b in boxes.values())
     back = from_loaded("w", shard, {k: b.data.clone() for k, b in boxes.items()})
     assert (back.flat_start, back.flat_end) == (3, 12) and torch.equal(back.local_flat, shard.local_flat)
+    assert from_loaded("w", shard, {k: b.data for k, b in boxes.items()}) is shard   # loaded in place: no copy
     # a 0-d parameter travels as shape (1,); a rank without a box saves nothing for it
     scalar = to_sharded("s", FlatRangeShard((), torch.tensor([2.5]), 0), dp_rank=0)
     assert [(b.global_shape, b.global_offset, b.local_shape) for b in scalar.values()] == [((1,), (0,), (1,))]

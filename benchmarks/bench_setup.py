@@ -143,6 +143,8 @@ def build_gpt(ctx: Ctx, params_dtype: torch.dtype, bf16: bool = True):
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    from megatron_fsdp_v2.megatron.cpu_compat import UNFUSED_KERNELS
+
     a = ctx.args
     config = TransformerConfig(
         num_layers=a.layers,
@@ -157,11 +159,7 @@ def build_gpt(ctx: Ctx, params_dtype: torch.dtype, bf16: bool = True):
         hidden_dropout=0.0,
         attention_dropout=0.0,
         # No TE/apex on the benchmark box: keep every kernel plain PyTorch, for every system alike.
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
-        apply_rope_fusion=False,
+        **UNFUSED_KERNELS,
     )
     torch.manual_seed(1234)
     model = GPTModel(

@@ -60,6 +60,7 @@ __all__ = [
 # ---------------------------------------------------------------------------------------------
 
 from megatron_fsdp_v2.megatron.cpu_compat import (  # noqa: E402  (re-exported)
+    UNFUSED_KERNELS,
     cpu_model_parallel_manual_seed,
     destroy_megatron_parallel_state,
     init_megatron_parallel_state,
@@ -102,11 +103,7 @@ def build_tiny_gpt(
         fp16=False,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
-        apply_rope_fusion=False,
+        **UNFUSED_KERNELS,
     )
     cfg_kwargs.update(config_overrides)
     config = TransformerConfig(**cfg_kwargs)

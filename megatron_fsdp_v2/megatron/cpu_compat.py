@@ -24,11 +24,19 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
+    "UNFUSED_KERNELS",
     "patch_megatron_for_cpu",
     "init_megatron_parallel_state",
     "destroy_megatron_parallel_state",
     "cpu_model_parallel_manual_seed",
 ]
+
+
+#: ``TransformerConfig`` settings that keep every kernel plain PyTorch (Megatron's fusions need
+#: Transformer Engine, apex or CUDA extensions): CPU runs need them, and benchmarks use them so
+#: every system runs the same kernels.
+UNFUSED_KERNELS = dict(bias_dropout_fusion=False, masked_softmax_fusion=False, gradient_accumulation_fusion=False,
+                       persist_layer_norm=False, apply_rope_fusion=False)
 
 
 def _is_cuda_device(device: Any) -> bool:

@@ -79,12 +79,12 @@ def _build_gpt(opts):
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    from .cpu_compat import UNFUSED_KERNELS
+
     config = TransformerConfig(
         num_layers=opts.layers, hidden_size=opts.hidden, num_attention_heads=opts.heads,
         use_cpu_initialization=True, params_dtype=torch.float32, pipeline_dtype=torch.float32,
-        bf16=False, fp16=False, hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False,
-        masked_softmax_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
-        apply_rope_fusion=False,
+        bf16=False, fp16=False, hidden_dropout=0.0, attention_dropout=0.0, **UNFUSED_KERNELS,
     )
     state = torch.get_rng_state()
     torch.manual_seed(opts.seed)  # same initial weights on every rank and for every run

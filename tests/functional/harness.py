@@ -277,14 +277,14 @@ def reseed(seed: int) -> None:
 def transformer_config(spec: GPTSpec):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    from megatron_fsdp_v2.megatron.cpu_compat import UNFUSED_KERNELS
+
     dtype = torch.bfloat16 if spec.bf16 else torch.float32
     return TransformerConfig(
         num_layers=spec.layers, hidden_size=spec.hidden, num_attention_heads=spec.heads,
         use_cpu_initialization=True,            # init from the CPU RNG: identical on every GPU type
         params_dtype=dtype, pipeline_dtype=dtype, bf16=spec.bf16, fp16=False,
-        hidden_dropout=0.0, attention_dropout=0.0,
-        bias_dropout_fusion=False, masked_softmax_fusion=False, gradient_accumulation_fusion=False,
-        persist_layer_norm=False, apply_rope_fusion=False,
+        hidden_dropout=0.0, attention_dropout=0.0, **UNFUSED_KERNELS,
         deterministic_mode=True,                # Megatron's embedding lookup without F.embedding's backward
     )
 

@@ -8,6 +8,7 @@ from .checkpoint import (export_full_state_dict, load_checkpoint, load_optimizer
                          save_checkpoint)
 from .dcp_format import SafeFileSystemReader
 from .fully_shard import FullyShardedModule, fully_shard
+from .summon import summon_full_params
 from .mixed_precision import MixedPrecisionPolicy
 from .strategy import STRATEGIES, STRATEGY_NAMES, ShardingStrategy, get_strategy
 
@@ -25,4 +26,5 @@ __all__ = [
     "load_optimizer_state_dict",
     "optimizer_state_dict",
     "save_checkpoint",
+    "summon_full_params",
 ]

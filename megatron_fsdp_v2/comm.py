@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
 
 
 @dataclass
@@ -80,3 +80,22 @@ class Communicator:
         """Sum ``tensor`` over ranks in place."""
         self.stats.record("all_reduce", tensor)
         return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
+
+    def broadcast(self, tensors: list, src_group_rank: int = 0) -> None:
+        """Overwrite ``tensors`` (any dtypes) with group rank ``src_group_rank``'s values.
+
+        One broadcast per dtype and device of a flat copy, as torch DDP coalesces its buffer
+        broadcasts; counted as the flat tensor's bytes."""
+        by_kind: dict = {}
+        for tensor in tensors:
+            by_kind.setdefault((tensor.dtype, tensor.device), []).append(tensor)
+        src = dist.get_global_rank(self.group, src_group_rank) if self.group is not None else src_group_rank
+        with torch.no_grad():
+            for same_kind in by_kind.values():
+                flat = torch.cat([t.reshape(-1) for t in same_kind])
+                self.stats.record("broadcast", flat)
+                dist.broadcast(flat, src=src, group=self.group)
+                offset = 0
+                for tensor in same_kind:
+                    tensor.copy_(flat[offset:offset + tensor.numel()].view_as(tensor))
+                    offset += tensor.numel()

@@ -28,10 +28,10 @@ from typing import Optional
 import torch
 import torch.nn as nn
 from torch.autograd import Variable
-from torch.utils._pytree import tree_leaves
 
 from .optimizer_hook import watch_optimizer_steps
 from .param_group import ParamGroup
+from .pre_backward import ForwardRecord, SavedWeightHooks, tensors_needing_grad
 from .strategy import ShardingStrategy
 
 
@@ -49,10 +49,16 @@ class Unit:
         self.module = module
         self.fqn = fqn
         self.groups = groups
+        # (ForwardRecord, SavedWeightHooks or None) of each forward of this unit still running
+        self.forwards_in_flight: list = []
 
     @property
     def is_root(self) -> bool:
         return self.fqn == ""
+
+    @property
+    def is_unsharded(self) -> bool:
+        return all(group.is_unsharded for group in self.groups)
 
     def unshard(self, async_op: bool = True) -> None:
         for group in self.groups:
@@ -86,7 +92,10 @@ class Engine:
         self._reducing_this_backward = False
         self._synced_main_version = {id(g): g.main_version() for g in self.groups}
         self.check_for_nan_in_grad = False
-        self._main_weights_dirty = False
+        self.broadcast_buffers = True            # DDP's default: rank 0's buffers at every training forward
+        self.unused_grads_are_none = True        # torch DDP / FSDP2: a parameter no rank used keeps .grad None
+        self._backward_index = 0                 # counts backward passes (tells a second backward apart)
+        self._dirty_groups: set = set()          # ids of groups whose main weights an optimizer is stepping
         self._awaiting_backward: Optional[str] = None   # "no_sync" / "sync" after a grad-enabled forward
         self._handles: list = []
         self._reducing: list[ParamGroup] = []   # groups whose async reduce was issued, not yet waited
@@ -105,15 +114,18 @@ class Engine:
         cannot see through; a strong reference from it back to the engine (or to a unit, which
         holds the root module) would keep the whole wrapped model alive forever."""
         ref = weakref.ref(self)
+        # Post-forward hooks are always called, also when the forward raises: they pop the unit's
+        # saved-tensor hooks, which must not outlive its forward.
         self._handles.append(self.root.register_forward_pre_hook(
             lambda m, a: ref()._root_pre_forward(m, a), prepend=True))
-        self._handles.append(self.root.register_forward_hook(lambda m, a, out: ref()._root_post_forward(m, a, out)))
+        self._handles.append(self.root.register_forward_hook(
+            lambda m, a, out: ref()._root_post_forward(m, a, out), always_call=True))
         for u, unit in enumerate(self.units):
             if not unit.is_root:
                 self._handles.append(unit.module.register_forward_pre_hook(
                     lambda m, a, u=u: ref()._unit_pre_forward(ref().units[u])))
                 self._handles.append(unit.module.register_forward_hook(
-                    lambda m, a, out, u=u: ref()._unit_post_forward(ref().units[u], out)))
+                    lambda m, a, out, u=u: ref()._unit_post_forward(ref().units[u], out), always_call=True))
             for g, group in enumerate(unit.groups):
                 if not group.requires_grad:
                     continue
@@ -134,6 +146,7 @@ class Engine:
     def hook_count(self) -> int:
         return len(self._handles)
 
+    @torch.compiler.disable
     def _root_pre_forward(self, module, args) -> None:
         if self._awaiting_backward == "no_sync" and torch.is_grad_enabled() and self.state is not TrainingState.BACKWARD:
             self._awaiting_backward = None
@@ -141,6 +154,10 @@ class Engine:
                 "forward called again before the backward of the previous forward, which ran inside no_sync(): "
                 "that micro-batch's gradients would be lost. Run backward on every micro-batch's output before "
                 "the next forward (evaluation forwards belong under torch.no_grad()).")
+        if self.state is not TrainingState.BACKWARD:
+            self.sync_requires_grad()
+            if self.broadcast_buffers and torch.is_grad_enabled() and self.sync_grads:
+                self._broadcast_buffers()
         self.state = TrainingState.FORWARD
         self.start_param_sync()
         root = self.units[0]
@@ -148,14 +165,17 @@ class Engine:
         if self.strategy.weights_sharded:
             root.unshard(async_op=False)
         root.wait_unshard()
+        self._enter_forward(root)
 
+    @torch.compiler.disable
     def _root_post_forward(self, module, args, output):
+        root = self.units[0]
+        record = self._exit_forward(root)
         if self._forward_order:
             self._order_recorded = True
-        root = self.units[0]
         if self.strategy.weights_sharded and self.state is not TrainingState.BACKWARD:
             root.reshard()
-        if self._register_pre_backward(root, output) and self.state is not TrainingState.BACKWARD:
+        if self._register_pre_backward(root, output, record) and self.state is not TrainingState.BACKWARD:
             self._awaiting_backward = "sync" if self.sync_grads else "no_sync"
         for unit in self.units:       # a unit the forward skipped must not keep a refresh pending
             unit.wait_unshard()
@@ -173,6 +193,7 @@ class Engine:
         position = order.index(unit) + step
         return order[position] if 0 <= position < len(order) else None
 
+    @torch.compiler.disable
     def _unit_pre_forward(self, unit: Unit) -> None:
         self._record_order(unit)
         if self.strategy.weights_sharded:
@@ -182,44 +203,69 @@ class Engine:
                 if nxt is not None and not nxt.is_root:
                     nxt.unshard(async_op=True)
         unit.wait_unshard()
+        self._enter_forward(unit)
 
+    @torch.compiler.disable
     def _unit_post_forward(self, unit: Unit, output):
+        record = self._exit_forward(unit)
         if not self.strategy.weights_sharded:
             return output
         if self.state is not TrainingState.BACKWARD:   # recomputation inside backward keeps weights
             unit.reshard()
-        self._register_pre_backward(unit, output)
+        self._register_pre_backward(unit, output, record)
         return output
 
-    def _register_pre_backward(self, unit: Unit, output) -> bool:
-        tensors = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+    def _enter_forward(self, unit: Unit) -> None:
+        """Start a record of this forward; ZeRO-3 also watches what autograd saves of the weights."""
+        record, hooks = ForwardRecord(), None
+        if self.strategy.weights_sharded and torch.is_grad_enabled() and self.state is not TrainingState.BACKWARD:
+            ref, u = weakref.ref(self), unit.index
+            hooks = SavedWeightHooks(lambda rec, u=u: ref()._pre_backward(ref().units[u], rec), unit.groups, record)
+            hooks.enter()
+        unit.forwards_in_flight.append((record, hooks))
+
+    def _exit_forward(self, unit: Unit) -> ForwardRecord:
+        if not unit.forwards_in_flight:
+            return ForwardRecord()
+        record, hooks = unit.forwards_in_flight.pop()
+        if hooks is not None:
+            hooks.exit()
+        return record
+
+    def _register_pre_backward(self, unit: Unit, output, record: ForwardRecord) -> bool:
+        """Hook the output's tensors so the unit is gathered (and its predecessor prefetched) as
+        soon as its backward begins; ``pre_backward.py`` covers outputs of any other type."""
+        tensors = tensors_needing_grad(output)
         if not tensors:
             return False
-        fired = [False]
-        ref, u = weakref.ref(self), self.units.index(unit)
+        ref, u = weakref.ref(self), unit.index
         torch.autograd.graph.register_multi_grad_hook(
-            tensors, lambda grads, u=u, fired=fired: ref()._pre_backward(ref().units[u], fired), mode="any")
+            tensors, lambda grads, u=u: ref()._pre_backward(ref().units[u], record), mode="any")
         return True
 
-    def _pre_backward(self, unit: Unit, fired: list) -> None:
-        if fired[0] and self.strategy.weights_sharded:
+    def _pre_backward(self, unit: Unit, record: ForwardRecord) -> None:
+        """Called by every trigger of ``pre_backward.py``; the first in a backward prefetches."""
+        self._on_backward_start()
+        first_trigger = record.backward_index != self._backward_index
+        if first_trigger and record.backward_index is not None and self.strategy.weights_sharded:
             raise RuntimeError(
                 f"backward ran twice through one forward of unit {unit.fqn or '<root>'!r}: with "
                 "optim_grads_params (ZeRO-3) each forward's gradients are reduce-scattered and its weights "
                 "resharded after the first backward. Run the forward again before another backward.")
-        fired[0] = True
-        self._on_backward_start()
+        record.backward_index = self._backward_index
         if not self.strategy.weights_sharded:
             return
         unit.unshard(async_op=False)
-        prev = self._neighbour(unit, -1)
-        if prev is not None and not prev.is_root:
-            prev.unshard(async_op=True)
+        if first_trigger:
+            prev = self._neighbour(unit, -1)
+            if prev is not None and not prev.is_root:
+                prev.unshard(async_op=True)
         unit.wait_unshard()
 
     def _on_backward_start(self) -> None:
         if self._final_callback_queued:
             return
+        self._backward_index += 1
         self.state = TrainingState.BACKWARD
         self._awaiting_backward = None
         self._final_callback_queued = True
@@ -280,7 +326,7 @@ class Engine:
 
     def _expose_grads(self) -> None:
         for group in self.groups:
-            group.attach_main_grads()
+            group.attach_main_grads(none_if_unused=self.unused_grads_are_none)
         self._grads_exposed = True
         if self.check_for_nan_in_grad:
             self._check_grads_finite()
@@ -331,21 +377,28 @@ class Engine:
         return total
 
     # ------------------------------------------------------------------ Megatron-facing verbs
-    def mark_main_weights_changed(self) -> None:
-        """The main weights are about to change (optimizer step, load): refresh at the next sync.
+    def mark_main_weights_changed(self, param_ids: Optional[set] = None) -> None:
+        """The main weights (those in ``param_ids``, default all) are about to change (optimizer
+        step, load): refresh their groups at the next sync.
 
         Version counters alone are not enough: fused optimizer kernels (``AdamW(fused=True)``)
         update parameters in place without bumping them."""
-        self._main_weights_dirty = True
+        for group in self.groups:
+            if param_ids is None or any(id(m) in param_ids for m in group.main_params):
+                self._dirty_groups.add(id(group))
 
     def start_param_sync(self, force_sync: bool = False) -> None:
-        """Refresh replicated weights from main weights that changed (async; ZeRO-3 gathers at use)."""
+        """Refresh replicated weights from main weights that changed (async; ZeRO-3 gathers at use).
+
+        A group stepped by two optimizers before the next forward is refreshed after each; the
+        second refresh waits for the first (``ParamGroup._gather_into``), so the forward never
+        sees a stale all-gather land last."""
         if self.strategy.weights_sharded:
             return
-        dirty, self._main_weights_dirty = self._main_weights_dirty, False
+        dirty, self._dirty_groups = self._dirty_groups, set()
         for group in self.groups:
             version = group.main_version()
-            if dirty or version != self._synced_main_version[id(group)]:
+            if id(group) in dirty or version != self._synced_main_version[id(group)]:
                 group.refresh_weights_locally_or_gather(async_op=True)
                 self._synced_main_version[id(group)] = version
         if force_sync:
@@ -370,3 +423,34 @@ class Engine:
         for group in self.groups:
             group.zero_grad_buffers()
         self._grads_exposed = False
+
+    # ------------------------------------------------------------------ per-forward checks
+    def sync_requires_grad(self) -> None:
+        """Honour ``requires_grad_()`` called after wrapping, on either copy of a parameter.
+
+        The module's parameter and the optimizer-facing main parameter are kept equal: whichever
+        changed since the last forward wins. A frozen parameter gets no gradient, so no rank adds
+        to its reduced piece and its ``.grad`` stays None: optimizers skip it."""
+        for group in self.groups:
+            for index, (param, main) in enumerate(zip(group.params, group.main_params)):
+                was = group.trainable[index]
+                if param.requires_grad == was and main.requires_grad == was:
+                    continue
+                now = main.requires_grad if main.requires_grad != was else param.requires_grad
+                if now and not group.requires_grad:
+                    raise ValueError(
+                        f"requires_grad: parameter {group.param_names[index]!r} was frozen when fully_shard "
+                        "wrapped it, so it has no gradient buffer and cannot be unfrozen now; set "
+                        "requires_grad before fully_shard (freezing after wrapping is supported).")
+                param.requires_grad_(now)
+                main.requires_grad_(now)
+                group.trainable[index] = now
+
+    def _broadcast_buffers(self) -> None:
+        """Rank 0's buffers (e.g. BatchNorm running statistics) on every rank, as torch DDP's
+        ``broadcast_buffers=True`` does at the start of every training forward."""
+        if self.comm.size == 1:
+            return
+        buffers = [b for b in self.root.buffers() if b.numel()]
+        if buffers:
+            self.comm.broadcast(buffers, src_group_rank=0)

@@ -21,9 +21,12 @@ from .allocators import Allocator, make_allocator
 from .checkpoint import load_model_state_dict, model_state_dict
 from .comm import Communicator
 from .engine import Engine, Unit
-from .mixed_precision import MixedPrecisionPolicy, resolve_dtypes
+from .mixed_precision import MixedPrecisionPolicy, full_precision_param_ids, resolve_dtypes
+from .nested import absorb_wrapped_submodules
+from .optimizer_hook import mark_replaced
 from .param_group import ParamGroup
 from .strategy import ShardingStrategy, get_strategy
+from .summon import summon_full_params
 from .units import assign_units
 
 
@@ -74,6 +77,11 @@ class FullyShardedModule:
 
     def zero_grad_buffer(self) -> None:
         self._fsdp.zero_grad_buffer()
+
+    def summon_full_params(self, writeback: bool = True):
+        """Context manager: inside it the module's parameters hold their full weights (main-weight
+        precision, every strategy); see ``megatron_fsdp_v2.summon.summon_full_params``."""
+        return summon_full_params(self, writeback=writeback)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale gradients so their global norm over all ranks' shards is at most ``max_norm``.
@@ -193,6 +201,16 @@ def _check_same_model_on_all_ranks(module: nn.Module, comm: Communicator, device
             f"disagrees with ranks {differing}. Every rank must build the same model before fully_shard.")
 
 
+def _sync_module_states(module: nn.Module, comm: Communicator) -> None:
+    """Every rank starts from rank 0's parameters and buffers, as torch DDP's constructor does:
+    replicas that began apart would otherwise drift apart (``no_shard``) or be stitched together
+    from pieces of different ranks' models (the sharded strategies)."""
+    if comm.size == 1 or dist.get_backend(comm.group) == "fake":
+        return
+    tensors = [p.detach() for p in module.parameters()] + [b for b in module.buffers() if b.numel()]
+    comm.broadcast(tensors, src_group_rank=0)
+
+
 def fully_shard(
     module: nn.Module,
     *,
@@ -202,6 +220,8 @@ def fully_shard(
     mixed_precision: Optional[MixedPrecisionPolicy] = None,
     allocator: Union[str, Allocator] = "storage_freeing",
     check_for_nan_in_grad: bool = False,
+    broadcast_buffers: bool = True,
+    unused_param_grads: str = "none",
 ) -> nn.Module:
     """Shard ``module`` over ``process_group`` with a Megatron sharding strategy; returns it.
 
@@ -215,6 +235,16 @@ def fully_shard(
         allocator: ``"storage_freeing"`` or ``"trace_pool"`` (or an ``Allocator``) for temporaries.
         check_for_nan_in_grad: after each reduce, raise naming the first parameter whose reduced
             gradient holds NaN/Inf (one device-to-host sync per step).
+        broadcast_buffers: at every training forward (grad enabled, outside ``no_sync``) overwrite
+            the buffers (e.g. BatchNorm statistics) with rank 0's, as torch DDP's switch of the same
+            name does by default.
+        unused_param_grads: ``"none"`` (torch DDP / FSDP2): a parameter no rank used keeps
+            ``.grad = None``, so optimizers skip it; ``"zeros"``: it gets a zero gradient
+            (Megatron DDP's ``main_grad`` semantics).
+
+    Submodules already wrapped by an earlier ``fully_shard`` call become units of this one, each
+    keeping its own ``mixed_precision`` (FSDP2's nesting: wrap the blocks, then the root). Every
+    rank starts from rank 0's parameters and buffers.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}.")
@@ -223,27 +253,44 @@ def fully_shard(
     strategy = get_strategy(sharding_strategy)
     if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecisionPolicy):
         raise TypeError(f"mixed_precision must be a MixedPrecisionPolicy or None, got {type(mixed_precision).__name__}.")
+    if unused_param_grads not in ("none", "zeros"):
+        raise ValueError(f"unused_param_grads must be 'none' or 'zeros', got {unused_param_grads!r}.")
     alloc = make_allocator(allocator)
     _check_process_group(process_group)
-    device = _check_params(module)
-    specs = assign_units(module, unit_modules)
     comm = Communicator(process_group)
+    # Units (and their policies) of earlier fully_shard calls on submodules: their parameters are
+    # made whole again here, then sharded with the rest.
+    inner_policies = absorb_wrapped_submodules(module, strategy, comm, FullyShardedModule)
+    device = _check_params(module)
+    specs = assign_units(module, unit_modules, unit_instances=[m for m, _ in inner_policies])
+    policy_of = {id(m): policy for m, policy in inner_policies}
     _check_same_model_on_all_ranks(module, comm, device)
+    _sync_module_states(module, comm)
 
     alignment = default_alignment(device)
     units: list[Unit] = []
     for unit_index, spec in enumerate(specs):
+        policy = policy_of.get(id(spec.module), mixed_precision)
+        full_precision = full_precision_param_ids(spec.module, policy)
         buckets: "OrderedDict[tuple, list]" = OrderedDict()
         for first_name, names, param in spec.params:
-            buckets.setdefault((param.dtype, param.requires_grad), []).append((first_name, names, param))
+            key = (param.dtype, param.requires_grad, id(param) in full_precision)
+            buckets.setdefault(key, []).append((first_name, names, param))
         groups = []
-        for (dtype, requires_grad), entries in buckets.items():
-            tag = f"{spec.fqn or '<root>'}/{str(dtype).replace('torch.', '')}/{'grad' if requires_grad else 'frozen'}"
+        for (dtype, requires_grad, keep_precision), entries in buckets.items():
+            tag = (f"{spec.fqn or '<root>'}/{str(dtype).replace('torch.', '')}/{'grad' if requires_grad else 'frozen'}"
+                   f"{'/full_precision' if keep_precision else ''}")
             group = ParamGroup(tag, [e[2] for e in entries], [e[0] for e in entries], strategy, comm,
-                               resolve_dtypes(dtype, mixed_precision, requires_grad), alloc, device, alignment)
+                               resolve_dtypes(dtype, policy, requires_grad, keep_precision), alloc, device,
+                               alignment)
             group.all_names = [e[1] for e in entries]
+            group.param_dtype = dtype
             groups.append(group)
-        units.append(Unit(unit_index, spec.module, spec.fqn, groups))
+            for first_name, _, param in entries:
+                mark_replaced(param, first_name)
+        unit = Unit(unit_index, spec.module, spec.fqn, groups)
+        unit.mixed_precision = policy
+        units.append(unit)
 
     main_by_param = {}
     for unit in units:
@@ -265,5 +312,7 @@ def fully_shard(
     module._fsdp_name_order = name_order
     module._fsdp = Engine(module, units, strategy, alloc, comm)
     module._fsdp.check_for_nan_in_grad = bool(check_for_nan_in_grad)
+    module._fsdp.broadcast_buffers = bool(broadcast_buffers)
+    module._fsdp.unused_grads_are_none = unused_param_grads == "none"
     comm.stats.reset()
     return module

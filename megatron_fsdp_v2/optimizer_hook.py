@@ -8,6 +8,11 @@ The collective then belongs to the step, not to the first micro-batch of the nex
 overlaps whatever the user does before the next forward (which waits for it).
 
 Engines register weakly: a model that is garbage collected drops out by itself.
+
+The same pre-step hook catches an optimizer built *before* ``fully_shard``: it holds the module's
+original parameters, whose storage the wrapper took over, so it would silently train nothing.
+``fully_shard`` marks those parameters (``REPLACED_ATTR``) and the first step of such an optimizer
+raises, naming a parameter and the fix.
 """
 
 from __future__ import annotations
@@ -18,6 +23,28 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 _ENGINES: "weakref.WeakSet" = weakref.WeakSet()
 _HANDLE = None
+REPLACED_ATTR = "_fsdp_replaced_by_wrapper"     # on a parameter whose storage a wrapper took over
+_CHECKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # optimizer -> params checked
+
+
+def mark_replaced(param, name: str) -> None:
+    """``param`` (called ``name`` in its module) no longer trains by itself: its wrapper does."""
+    setattr(param, REPLACED_ATTR, name)
+
+
+def _check_not_replaced(optimizer) -> None:
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if _CHECKED.get(optimizer) == len(params):
+        return
+    for param in params:
+        name = getattr(param, REPLACED_ATTR, None)
+        if name is not None:
+            raise RuntimeError(
+                f"optimizer: {type(optimizer).__name__} holds parameter {name!r} as it was before fully_shard "
+                "wrapped its module; the wrapper now owns that parameter's storage and trains its own "
+                "main weights, so this optimizer would train nothing. Build the optimizer after "
+                "fully_shard, from model.parameters().")
+    _CHECKED[optimizer] = len(params)
 
 
 def _engines_of(optimizer) -> list:
@@ -28,9 +55,14 @@ def _engines_of(optimizer) -> list:
 
 
 def _before_optimizer_step(optimizer, args, kwargs) -> None:
-    for engine in _engines_of(optimizer):
+    _check_not_replaced(optimizer)
+    engines = _engines_of(optimizer)
+    if not engines:
+        return
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for engine in engines:
         engine.check_ready_for_optimizer_step()
-        engine.mark_main_weights_changed()
+        engine.mark_main_weights_changed(stepped)
 
 
 def _after_optimizer_step(optimizer, args, kwargs) -> None:
@@ -45,3 +77,8 @@ def watch_optimizer_steps(engine) -> None:
         _HANDLE = (register_optimizer_step_pre_hook(_before_optimizer_step),
                    register_optimizer_step_post_hook(_after_optimizer_step))
     _ENGINES.add(engine)
+
+
+def unwatch_optimizer_steps(engine) -> None:
+    """Forget ``engine`` (its module was unwrapped, e.g. absorbed by an outer ``fully_shard``)."""
+    _ENGINES.discard(engine)

@@ -82,8 +82,18 @@ class ParamGroup:
         self.is_unsharded = False
         self._temp_grad: Optional[torch.Tensor] = None
         self.grads_ready = [False] * len(self.params)
+        # got_grad: which parameters received a gradient on this rank since the grads were last
+        # zeroed (a parameter none of the ranks used gets ``.grad = None``, as torch DDP gives).
+        self.got_grad = [False] * len(self.params)
+        # trainable: the requires_grad each parameter had at the last forward (freezing after
+        # wrapping is honoured: see Engine.sync_requires_grad).
+        self.trainable = [self.requires_grad] * len(self.params)
         self.has_unreduced_grads = False
         self.reduced_this_backward = False
+        # ZeRO-1 only: after a reduce this rank's region of ``full_grad`` holds the data-parallel
+        # *mean* while the other regions are zero. A further backward before the grads are zeroed
+        # must scale the mean back to the sum first, or the next reduce divides it by dp again.
+        self._own_region_holds_mean = False
         self._init_buffers()
 
     # ------------------------------------------------------------------ construction
@@ -167,6 +177,9 @@ class ParamGroup:
         This rank's shard is cast straight into its own slot of the output and gathered from
         there (the in-place form NCCL and gloo accept), so no separate cast copy of the shard
         lives while the collective is in flight."""
+        # A refresh still in flight writes into ``full`` (two optimizers stepping before the next
+        # forward each start one): finish it before this one overwrites the same buffer.
+        self.wait_unshard()
         start, end = self.layout.shard_range(self.comm.rank)
         slot = full[start:end]
         with torch.no_grad():
@@ -218,9 +231,15 @@ class ParamGroup:
             full = self._temp_grad
         else:
             full = self.full_grad
+            if self._own_region_holds_mean:
+                start, end = self.layout.shard_range(self.comm.rank)
+                with torch.no_grad():
+                    full[start:end].mul_(self.comm.size)
+                self._own_region_holds_mean = False
         start, end = self.layout.param_range(index)
         full[start:end].add_(grad.reshape(-1))
         self.grads_ready[index] = True
+        self.got_grad[index] = True
         self.has_unreduced_grads = True
 
     def begin_backward(self) -> None:
@@ -229,7 +248,8 @@ class ParamGroup:
         self.reduced_this_backward = False
 
     def all_grads_ready(self) -> bool:
-        return all(self.grads_ready)
+        """Every parameter that may get a gradient (not frozen since wrapping) got this pass's."""
+        return all(ready or not trainable for ready, trainable in zip(self.grads_ready, self.trainable))
 
     def reduce_grad(self, async_op: bool = True) -> None:
         """Reduce this micro-batch's (or accumulated) local gradients over the data-parallel group.
@@ -270,6 +290,7 @@ class ParamGroup:
                         self.full_grad[:start].zero_()
                         self.full_grad[end:].zero_()
                         self.full_grad[start:end].copy_(shard_out).div_(dp)
+                        self._own_region_holds_mean = True
 
         self._pending_reduce = PendingCollective(work if async_op else None, on_complete)
         self.reduced_this_backward = True
@@ -318,13 +339,23 @@ class ParamGroup:
             return self.full_grad[self.shard_start:self.shard_end]
         return self.full_grad
 
-    def attach_main_grads(self) -> None:
-        """Point every optimizer-facing parameter's ``.grad`` at its reduced gradient."""
+    def attach_main_grads(self, none_if_unused: bool = True) -> None:
+        """Point every optimizer-facing parameter's ``.grad`` at its reduced gradient.
+
+        With ``none_if_unused``, a parameter that no rank used since the grads were last zeroed
+        keeps ``.grad = None`` (torch DDP and FSDP2 do the same), so Adam's momentum and AdamW's
+        decay leave it alone. "No rank used it" is read without a collective: it got no gradient
+        here and its reduced piece is exactly zero (any rank's contribution would show there).
+        """
         buffer = self.main_grad_buffer()
         if buffer is None:
             return
         for index, main in enumerate(self.main_params):
-            main.grad = self._main_view(buffer, index)
+            view = self._main_view(buffer, index)
+            if none_if_unused and not self.got_grad[index] and not bool(view.any()):
+                main.grad = None
+            else:
+                main.grad = view
 
     def zero_grad_buffers(self) -> None:
         with torch.no_grad():
@@ -332,7 +363,9 @@ class ParamGroup:
                 if buffer is not None:
                     buffer.zero_()
         self.has_unreduced_grads = False
+        self._own_region_holds_mean = False
         self.grads_ready = [False] * len(self.params)
+        self.got_grad = [False] * len(self.params)
 
     # ------------------------------------------------------------------ accounting and export
     def persistent_bytes(self) -> dict:

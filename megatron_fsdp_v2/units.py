@@ -49,17 +49,21 @@ def _contains(unit_fqn: str, name: str) -> bool:
     return unit_fqn == "" or name == unit_fqn or name.startswith(unit_fqn + ".")
 
 
-def assign_units(root: nn.Module, unit_modules: Optional[Sequence[type]]) -> list[UnitSpec]:
+def assign_units(root: nn.Module, unit_modules: Optional[Sequence[type]],
+                 unit_instances: Iterable[nn.Module] = ()) -> list[UnitSpec]:
     """Split ``root``'s parameters into units; the root unit comes first, the rest in module order.
 
+    ``unit_instances`` are submodules that are units whatever their class (those an earlier
+    ``fully_shard`` call wrapped, as FSDP2's nested calls mark units).
     Raises ``ValueError`` when a class in ``unit_modules`` matches no submodule (a typo or a model
     that changed would otherwise silently fall back to one giant unit).
     """
     classes = _validate_unit_classes(unit_modules)
+    instances = {id(m) for m in unit_instances}
     units = [UnitSpec(root, "")]
     matched = set()
     for fqn, module in root.named_modules():
-        if fqn and classes and isinstance(module, classes):
+        if fqn and ((classes and isinstance(module, classes)) or id(module) in instances):
             units.append(UnitSpec(module, fqn))
             matched.update(cls for cls in classes if isinstance(module, cls))
     missing = [cls.__name__ for cls in classes if cls not in matched]

@@ -275,7 +275,9 @@ class FullyShardedDataParallel(DistributedDataParallel):
         unwrapped = module.module if isinstance(module, Float16Module) else module
         self._megatron_layout = megatron_layout(unwrapped)
         fully_shard(module, sharding_strategy=strategy, process_group=dp_group, unit_modules=units,
-                    mixed_precision=policy, check_for_nan_in_grad=bool(ddp_config.check_for_nan_in_grad))
+                    mixed_precision=policy, check_for_nan_in_grad=bool(ddp_config.check_for_nan_in_grad),
+                    # Megatron DDP: buffers are not broadcast, and every main_grad exists (zeros if unused)
+                    broadcast_buffers=False, unused_param_grads="zeros")
         _BaseDataParallel.__init__(self, config=config, module=module)
 
         self.ddp_config = dataclasses.replace(ddp_config, use_megatron_fsdp=True)

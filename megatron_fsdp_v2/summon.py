@@ -1,0 +1,63 @@
+"""``summon_full_params``: the whole weights on the module's parameters, outside forward.
+
+Outside forward and backward a wrapped module's own parameters hold only what the strategy keeps:
+ZeRO-3 leaves them as 0-element tensors (a logged weight norm would read 0.0), and with a
+low-precision policy ZeRO-1/2 hold the compute copy. FSDP1 offered ``summon_full_params`` for
+this; ours gathers the main weights (full precision, every strategy), points every parameter at
+its full tensor for the duration of the context, and on exit optionally writes what the caller
+changed back into this rank's main-weight shard, then refreshes the compute weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+@contextlib.contextmanager
+def summon_full_params(module, writeback: bool = True):
+    """Inside the context, ``module``'s parameters (as its submodules hold them, e.g.
+    ``module.layer.weight``) are the full tensors in main-weight precision, equal on every rank.
+
+    Args:
+        module: a module returned by ``fully_shard`` (or an object whose ``.module`` is one).
+        writeback: copy in-place changes back into the main weights on exit (each rank keeps its
+            shard of what it holds; change every rank the same way). ``False`` discards them.
+
+    Collective: every rank of the data-parallel group must enter it together. Not allowed during
+    forward or backward (the module's own all-gathers own the parameters then).
+    """
+    engine = _engine_of(module)
+    if engine.state.value != "idle":
+        raise RuntimeError(f"summon_full_params() called during {engine.state.value}; call it between steps.")
+    engine.wait_reduces()
+    restore = []
+    gathered = []
+    with torch.no_grad():
+        for group in engine.groups:
+            group.wait_unshard()
+            full_main = group.gather_full_main()
+            gathered.append((group, full_main))
+            for index, param in enumerate(group.params):
+                restore.append((param, param.data))
+                param.data = group.full_param(full_main, index)
+    try:
+        yield module
+    finally:
+        with torch.no_grad():
+            for param, data in restore:
+                param.data = data
+            if writeback:
+                for group, full_main in gathered:
+                    group.main_shard.copy_(full_main[group.shard_start:group.shard_end])
+                engine.mark_main_weights_changed()
+                engine.start_param_sync(force_sync=True)
+
+
+def _engine_of(module):
+    for candidate in (module, getattr(module, "module", None)):
+        engine = getattr(candidate, "_fsdp", None)
+        if engine is not None:
+            return engine
+    raise TypeError(f"module: expected a module wrapped by fully_shard, got {type(module).__name__}.")

@@ -24,6 +24,8 @@ never here (LESSONS.md: keep "who may do X" out of the collective functions).
 
 from __future__ import annotations
 
+import hashlib
+import os
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -31,6 +33,20 @@ import torch
 import torch.distributed as dist
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
+
+# [Note: checking the sequence of collectives]
+# Ranks whose control flow differs (a unit skipped on one rank) issue different collectives; NCCL
+# and gloo then hang until the process-group timeout or abort with no Python error. With this
+# variable set to 1, every collective is preceded by a blocking all-gather of a fingerprint
+# (sequence number, kind, dtype, size, and what it is for: the group, hence the unit); the first
+# mismatch raises on every rank, naming what each rank was about to do. Like
+# TORCH_DISTRIBUTED_DEBUG it is for debugging: one extra small collective and a host sync per
+# collective. Unset (the default) it costs one boolean test per collective.
+CHECK_SEQUENCE_ENV = "MEGATRON_FSDP_V2_CHECK_COLLECTIVES"
+
+
+def _fingerprint(text: str) -> int:
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
 
 
 @dataclass
@@ -64,24 +80,49 @@ class Communicator:
         self.size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
         self.stats = CommStats()
+        self.check_sequence = os.environ.get(CHECK_SEQUENCE_ENV, "0") not in ("", "0")
+        self._sequence = 0
 
-    def all_gather(self, output: torch.Tensor, shard: torch.Tensor, async_op: bool = False):
+    def _check_same_collective(self, kind: str, tensor: torch.Tensor, label: str) -> None:
+        """[Note: checking the sequence of collectives]: raise on every rank at the first mismatch."""
+        self._sequence += 1
+        what = f"{kind} of {tensor.numel()} x {str(tensor.dtype).replace('torch.', '')} for {label or '?'}"
+        mine = torch.tensor([_fingerprint(what)], dtype=torch.int64, device=tensor.device)
+        everyone = torch.empty(self.size, dtype=torch.int64, device=tensor.device)
+        dist.all_gather_into_tensor(everyone, mine, group=self.group)
+        if len(set(everyone.tolist())) == 1:
+            return
+        described: list = [None] * self.size
+        dist.all_gather_object(described, what, group=self.group)
+        per_rank = "; ".join(f"rank {r}: {d}" for r, d in enumerate(described))
+        raise RuntimeError(
+            f"data-parallel ranks issue different collectives at collective #{self._sequence} ({per_rank}). "
+            f"Their control flow differs (e.g. a unit runs on some ranks only); every rank must run the "
+            f"same units in the same order. (Checked because {CHECK_SEQUENCE_ENV} is set.)")
+
+    def all_gather(self, output: torch.Tensor, shard: torch.Tensor, async_op: bool = False, label: str = ""):
         """Gather equal shards from every rank into ``output`` (rank order)."""
+        if self.check_sequence:
+            self._check_same_collective("all_gather", output, label)
         self.stats.record("all_gather", output)
         return dist.all_gather_into_tensor(output, shard, group=self.group, async_op=async_op)
 
-    def reduce_scatter(self, shard_out: torch.Tensor, full: torch.Tensor, async_op: bool = False):
+    def reduce_scatter(self, shard_out: torch.Tensor, full: torch.Tensor, async_op: bool = False, label: str = ""):
         """Sum ``full`` over ranks and leave this rank's equal slice of the sum in ``shard_out``."""
+        if self.check_sequence:
+            self._check_same_collective("reduce_scatter", full, label)
         self.stats.record("reduce_scatter", full)
         return dist.reduce_scatter_tensor(shard_out, full, op=dist.ReduceOp.SUM, group=self.group,
                                           async_op=async_op)
 
-    def all_reduce(self, tensor: torch.Tensor, async_op: bool = False):
+    def all_reduce(self, tensor: torch.Tensor, async_op: bool = False, label: str = ""):
         """Sum ``tensor`` over ranks in place."""
+        if self.check_sequence:
+            self._check_same_collective("all_reduce", tensor, label)
         self.stats.record("all_reduce", tensor)
         return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
 
-    def broadcast(self, tensors: list, src_group_rank: int = 0) -> None:
+    def broadcast(self, tensors: list, src_group_rank: int = 0, label: str = "") -> None:
         """Overwrite ``tensors`` (any dtypes) with group rank ``src_group_rank``'s values.
 
         One broadcast per dtype and device of a flat copy, as torch DDP coalesces its buffer
@@ -93,6 +134,8 @@ class Communicator:
         with torch.no_grad():
             for same_kind in by_kind.values():
                 flat = torch.cat([t.reshape(-1) for t in same_kind])
+                if self.check_sequence:
+                    self._check_same_collective("broadcast", flat, label)
                 self.stats.record("broadcast", flat)
                 dist.broadcast(flat, src=src, group=self.group)
                 offset = 0

@@ -148,6 +148,8 @@ class Engine:
 
     @torch.compiler.disable
     def _root_pre_forward(self, module, args) -> None:
+        if self.backward_died():
+            self.reset_iteration()
         if self._awaiting_backward == "no_sync" and torch.is_grad_enabled() and self.state is not TrainingState.BACKWARD:
             self._awaiting_backward = None
             raise RuntimeError(
@@ -419,10 +421,45 @@ class Engine:
         self._expose_grads()
 
     def zero_grad_buffer(self) -> None:
+        if self.backward_died():
+            self.reset_iteration()
+            return
         self.wait_reduces()
         for group in self.groups:
             group.zero_grad_buffers()
         self._grads_exposed = False
+
+    # ------------------------------------------------------------------ recovery
+    def backward_died(self) -> bool:
+        """A backward began (hooks fired) but autograd is no longer running it: it raised."""
+        return self.state is TrainingState.BACKWARD and torch._C._current_graph_task_id() == -1
+
+    def reset_iteration(self) -> None:
+        """Return to a clean state after an exception in forward or backward: the batch is skipped.
+
+        Waits for the collectives already issued (every rank issued the same ones before the
+        exception, when every rank raised), frees every temporary, reshards ZeRO-3 units and
+        discards the gradients accumulated since the last optimizer step (a partly reduced
+        micro-batch cannot be told apart from the rest), so training goes on exactly as if this
+        step's batches had never been seen. Called by itself at the next forward or
+        ``zero_grad_buffer()`` after a backward that raised."""
+        self.wait_reduces()
+        for group in self.groups:
+            group.wait_unshard()
+            group.discard_backward_state()
+        for unit in self.units:
+            while unit.forwards_in_flight:
+                self._exit_forward(unit)
+            unit.reshard()
+        self.state = TrainingState.IDLE
+        self._final_callback_queued = False
+        self._reducing_this_backward = False
+        self._awaiting_backward = None
+        self.zero_grad_buffer()
+        for group in self.groups:
+            for main in group.main_params:
+                main.grad = None
+        self.allocator.step()
 
     # ------------------------------------------------------------------ per-forward checks
     def sync_requires_grad(self) -> None:
@@ -453,4 +490,4 @@ class Engine:
             return
         buffers = [b for b in self.root.buffers() if b.numel()]
         if buffers:
-            self.comm.broadcast(buffers, src_group_rank=0)
+            self.comm.broadcast(buffers, src_group_rank=0, label="buffers (broadcast_buffers)")

@@ -25,6 +25,7 @@ from .mixed_precision import MixedPrecisionPolicy, full_precision_param_ids, res
 from .nested import absorb_wrapped_submodules
 from .optimizer_hook import mark_replaced
 from .param_group import ParamGroup
+from .rank_agreement import check_ranks_agree
 from .strategy import ShardingStrategy, get_strategy
 from .summon import summon_full_params
 from .units import assign_units
@@ -82,6 +83,18 @@ class FullyShardedModule:
         """Context manager: inside it the module's parameters hold their full weights (main-weight
         precision, every strategy); see ``megatron_fsdp_v2.summon.summon_full_params``."""
         return summon_full_params(self, writeback=writeback)
+
+    def reset_iteration(self) -> None:
+        """Skip the current step after an exception in forward or backward: wait for issued
+        collectives, free temporaries, discard the gradients accumulated since the last optimizer
+        step. Runs by itself at the next forward or ``zero_grad()`` after a failed backward."""
+        self._fsdp.reset_iteration()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``nn.Module.zero_grad`` on the main parameters, after recovering from a failed backward."""
+        if self._fsdp.backward_died():
+            self._fsdp.reset_iteration()
+        nn.Module.zero_grad(self, set_to_none=set_to_none)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale gradients so their global norm over all ranks' shards is at most ``max_norm``.
@@ -208,7 +221,7 @@ def _sync_module_states(module: nn.Module, comm: Communicator) -> None:
     if comm.size == 1 or dist.get_backend(comm.group) == "fake":
         return
     tensors = [p.detach() for p in module.parameters()] + [b for b in module.buffers() if b.numel()]
-    comm.broadcast(tensors, src_group_rank=0)
+    comm.broadcast(tensors, src_group_rank=0, label="rank 0's parameters and buffers at wrap time")
 
 
 def fully_shard(
@@ -265,6 +278,16 @@ def fully_shard(
     specs = assign_units(module, unit_modules, unit_instances=[m for m, _ in inner_policies])
     policy_of = {id(m): policy for m, policy in inner_policies}
     _check_same_model_on_all_ranks(module, comm, device)
+    check_ranks_agree(comm, device, {
+        "sharding_strategy": strategy.name,
+        "units": ",".join(spec.fqn or "<root>" for spec in specs),
+        "mixed_precision": repr(mixed_precision),
+        "nested unit policies": ",".join(f"{type(m).__name__}:{p!r}" for m, p in inner_policies),
+        "allocator": type(alloc).__name__,
+        "broadcast_buffers": str(bool(broadcast_buffers)),
+        "unused_param_grads": unused_param_grads,
+        "check_for_nan_in_grad": str(bool(check_for_nan_in_grad)),
+    })
     _sync_module_states(module, comm)
 
     alignment = default_alignment(device)

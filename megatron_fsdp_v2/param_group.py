@@ -184,7 +184,7 @@ class ParamGroup:
         slot = full[start:end]
         with torch.no_grad():
             slot.copy_(self.main_shard)
-        work = self.comm.all_gather(full, slot, async_op=async_op)
+        work = self.comm.all_gather(full, slot, async_op=async_op, label=f"weights of {self.name}")
         self._pending_unshard = PendingCollective(work if async_op else None, lambda: None)
 
     def unshard(self, async_op: bool = True) -> None:
@@ -265,7 +265,7 @@ class ParamGroup:
         full, release_input = self._grad_comm_input()
 
         if self.strategy.grad_reduce_op == "all_reduce":
-            work = self.comm.all_reduce(full, async_op=async_op)
+            work = self.comm.all_reduce(full, async_op=async_op, label=f"grads of {self.name}")
 
             def on_complete(full=full):
                 with torch.no_grad():
@@ -275,7 +275,7 @@ class ParamGroup:
                     self.full_grad.div_(dp)
         else:
             shard_out = torch.empty(self.layout.shard_numel, dtype=full.dtype, device=self.device)
-            work = self.comm.reduce_scatter(shard_out, full, async_op=async_op)
+            work = self.comm.reduce_scatter(shard_out, full, async_op=async_op, label=f"grads of {self.name}")
 
             def on_complete(shard_out=shard_out):
                 with torch.no_grad():
@@ -320,6 +320,17 @@ class ParamGroup:
     def _release_temp_grad(self) -> None:
         self.allocator.free(self._grad_key)
         self._temp_grad = None
+
+    def discard_backward_state(self) -> None:
+        """Forget a backward that raised: free its temporaries and its readiness bookkeeping
+        (pending collectives must have been waited for)."""
+        for key in (self._grad_key, self._comm_key):
+            if self.allocator.is_live(key):
+                self.allocator.free(key)
+        self._temp_grad = None
+        self.grads_ready = [False] * len(self.params)
+        self.has_unreduced_grads = False
+        self.reduced_this_backward = False
 
     @property
     def reduce_pending(self) -> bool:
@@ -381,7 +392,7 @@ class ParamGroup:
         if not self.strategy.optim_sharded:
             return self.main_shard.detach().clone()
         full = torch.empty(self.layout.total_numel, dtype=self.main_shard.dtype, device=self.device)
-        self.comm.all_gather(full, self.main_shard.detach())
+        self.comm.all_gather(full, self.main_shard.detach(), label=f"main weights of {self.name}")
         return full
 
     def full_param(self, full_main: torch.Tensor, index: int) -> torch.Tensor:

@@ -1,6 +1,9 @@
-"""The three collectives the engine issues, and their counting.
+"""The collectives a wrapped model issues, and their counting.
 
-Every collective goes through here so ``comm_stats()`` is exact: bytes are counted as the full
+Every collective of the core goes through here (the schedule's all-gathers, reduce-scatters and
+all-reduces, the gradient-norm all-reduce, buffer and parameter broadcasts, the wrap-time checks
+that ranks agree; checkpoint I/O uses torch.distributed.checkpoint's own), so ``comm_stats()`` is exact and the sequence check below sees them all;
+``fully_shard`` resets the counts once the model is wrapped. Bytes are counted as the full
 buffer a collective covers (the gathered output of an all-gather, the input of a reduce-scatter,
 the tensor of an all-reduce), which is what the ZeRO papers call "Psi" per collective.
 
@@ -19,7 +22,7 @@ collective, again with an event. So:
 On CPU (gloo) the same calls run with gloo's own threads; the code path is identical.
 
 Which strategy calls which collective is decided by ``strategy.py`` and ``param_group.py``,
-never here (LESSONS.md: keep "who may do X" out of the collective functions).
+never here: the collective functions do not know which strategy calls them.
 """
 
 from __future__ import annotations
@@ -115,12 +118,19 @@ class Communicator:
         return dist.reduce_scatter_tensor(shard_out, full, op=dist.ReduceOp.SUM, group=self.group,
                                           async_op=async_op)
 
-    def all_reduce(self, tensor: torch.Tensor, async_op: bool = False, label: str = ""):
-        """Sum ``tensor`` over ranks in place."""
+    def all_reduce(self, tensor: torch.Tensor, async_op: bool = False, label: str = "",
+                   op: dist.ReduceOp = dist.ReduceOp.SUM):
+        """Reduce ``tensor`` over ranks in place (sum, or ``op``, e.g. MAX for an inf-norm)."""
         if self.check_sequence:
             self._check_same_collective("all_reduce", tensor, label)
         self.stats.record("all_reduce", tensor)
-        return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
+        return dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
+
+    def all_gather_object(self, obj) -> list:
+        """Every rank's picklable ``obj`` (error paths only: never on the training schedule)."""
+        out: list = [None] * self.size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
 
     def broadcast(self, tensors: list, src_group_rank: int = 0, label: str = "") -> None:
         """Overwrite ``tensors`` (any dtypes) with group rank ``src_group_rank``'s values.

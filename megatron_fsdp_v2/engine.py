@@ -21,24 +21,46 @@
 
 from __future__ import annotations
 
-import enum
 import weakref
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn as nn
 from torch.autograd import Variable
 
 from .optimizer_hook import watch_optimizer_steps
-from .param_group import ParamGroup
+from .param_group import ParamGroup, PendingCollective
+from .phase import Phase, PhaseMachine
 from .pre_backward import ForwardRecord, SavedWeightHooks, tensors_needing_grad
 from .strategy import ShardingStrategy
 
 
-class TrainingState(enum.Enum):
-    IDLE = "idle"
-    FORWARD = "forward"
-    BACKWARD = "backward"
+class BackwardPass(NamedTuple):
+    """One backward pass: does it reduce gradients (outside no_sync, or ZeRO-2/3 always)?"""
+
+    reduces: bool
+
+
+class ForwardOrder:
+    """The order units ran in the first forward; frozen after it, used to pick prefetch targets."""
+
+    def __init__(self) -> None:
+        self.units: list = []
+        self.frozen = False
+
+    def record(self, unit) -> None:
+        if not self.frozen and unit not in self.units:
+            self.units.append(unit)
+
+    def freeze(self) -> None:
+        if self.units:
+            self.frozen = True
+
+    def neighbour(self, unit, step: int):
+        if not self.frozen or unit not in self.units:
+            return None
+        position = self.units.index(unit) + step
+        return self.units[position] if 0 <= position < len(self.units) else None
 
 
 class Unit:
@@ -65,8 +87,10 @@ class Unit:
             group.unshard(async_op)
 
     def wait_unshard(self) -> None:
+        """Wait for this unit's weights: a ZeRO-3 gather or a ZeRO-1/2 refresh in flight."""
         for group in self.groups:
             group.wait_unshard()
+            group.wait_refresh()
 
     def reshard(self) -> None:
         for group in self.groups:
@@ -83,22 +107,22 @@ class Engine:
         self.allocator = allocator
         self.comm = comm
         self.groups = [g for u in units for g in u.groups]
-        self.state = TrainingState.IDLE
-        self.sync_grads = True
-        self._forward_order: list[Unit] = []
-        self._order_recorded = False
-        self._final_callback_queued = False
-        self._grads_exposed = False
-        self._reducing_this_backward = False
-        self._synced_main_version = {id(g): g.main_version() for g in self.groups}
+        self.phase = PhaseMachine()
+        self.requires_gradient_sync = True       # False inside no_sync(): DDP / ZeRO-1 accumulate locally
+        self.forward_order = ForwardOrder()
+        self.main_grads_attached = False         # optimizer-facing .grad point at reduced gradients
         self.check_for_nan_in_grad = False
         self.broadcast_buffers = True            # DDP's default: rank 0's buffers at every training forward
         self.unused_grads_are_none = True        # torch DDP / FSDP2: a parameter no rank used keeps .grad None
-        self._backward_index = 0                 # counts backward passes (tells a second backward apart)
+        self.backward_pass: Optional[BackwardPass] = None   # the backward now running
+        self._backward_count = 0
+        self._divide_factor: Optional[float] = None
+        self._synced_main_version = {id(g): g.main_version() for g in self.groups}
         self._dirty_groups: set = set()          # ids of groups whose main weights an optimizer is stepping
-        self._awaiting_backward: Optional[str] = None   # "no_sync" / "sync" after a grad-enabled forward
         self._handles: list = []
-        self._reducing: list[ParamGroup] = []   # groups whose async reduce was issued, not yet waited
+        # The one owner of every issued gradient reduce not yet waited for (the schedule keeps at
+        # most one in flight; start_gradient_reduction may issue several).
+        self._reduces_in_flight: list[tuple[ParamGroup, PendingCollective]] = []
         self._main_param_ids = {id(m) for g in self.groups for m in g.main_params}
         self._register_hooks()
         watch_optimizer_steps(self)
@@ -146,24 +170,23 @@ class Engine:
     def hook_count(self) -> int:
         return len(self._handles)
 
+    # ------------------------------------------------------------------ forward
     @torch.compiler.disable
     def _root_pre_forward(self, module, args) -> None:
         if self.backward_died():
             self.reset_iteration()
-        if self._awaiting_backward == "no_sync" and torch.is_grad_enabled() and self.state is not TrainingState.BACKWARD:
-            self._awaiting_backward = None
-            raise RuntimeError(
-                "forward called again before the backward of the previous forward, which ran inside no_sync(): "
-                "that micro-batch's gradients would be lost. Run backward on every micro-batch's output before "
-                "the next forward (evaluation forwards belong under torch.no_grad()).")
-        if self.state is not TrainingState.BACKWARD:
+        training = torch.is_grad_enabled()
+        if self.phase.is_(Phase.BACKWARD):
+            pass                                  # a forward recomputed inside backward
+        elif training or not self.phase.is_(Phase.AWAITING_BACKWARD, Phase.AWAITING_BACKWARD_NO_SYNC):
+            # (an evaluation forward between a training forward and its backward leaves the phase)
+            self.phase.enter(Phase.FORWARD)
             self.sync_requires_grad()
-            if self.broadcast_buffers and torch.is_grad_enabled() and self.sync_grads:
+            if self.broadcast_buffers and training and self.requires_gradient_sync:
                 self._broadcast_buffers()
-        self.state = TrainingState.FORWARD
-        self.start_param_sync()
+        self.refresh_weights()
         root = self.units[0]
-        self._record_order(root)
+        self.forward_order.record(root)
         if self.strategy.weights_sharded:
             root.unshard(async_op=False)
         root.wait_unshard()
@@ -173,35 +196,28 @@ class Engine:
     def _root_post_forward(self, module, args, output):
         root = self.units[0]
         record = self._exit_forward(root)
-        if self._forward_order:
-            self._order_recorded = True
-        if self.strategy.weights_sharded and self.state is not TrainingState.BACKWARD:
+        self.forward_order.freeze()
+        in_backward = self.phase.is_(Phase.BACKWARD)
+        if self.strategy.weights_sharded and not in_backward:
             root.reshard()
-        if self._register_pre_backward(root, output, record) and self.state is not TrainingState.BACKWARD:
-            self._awaiting_backward = "sync" if self.sync_grads else "no_sync"
+        awaits_backward = self._register_pre_backward(root, output, record)
         for unit in self.units:       # a unit the forward skipped must not keep a refresh pending
             unit.wait_unshard()
-        self.state = TrainingState.IDLE
+        if self.phase.is_(Phase.FORWARD):
+            if awaits_backward:
+                self.phase.enter(Phase.AWAITING_BACKWARD if self.requires_gradient_sync
+                                 else Phase.AWAITING_BACKWARD_NO_SYNC)
+            else:
+                self.phase.enter(Phase.IDLE)
         return output
-
-    def _record_order(self, unit: Unit) -> None:
-        if not self._order_recorded and unit not in self._forward_order:
-            self._forward_order.append(unit)
-
-    def _neighbour(self, unit: Unit, step: int) -> Optional[Unit]:
-        order = self._forward_order
-        if not self._order_recorded or unit not in order:
-            return None
-        position = order.index(unit) + step
-        return order[position] if 0 <= position < len(order) else None
 
     @torch.compiler.disable
     def _unit_pre_forward(self, unit: Unit) -> None:
-        self._record_order(unit)
+        self.forward_order.record(unit)
         if self.strategy.weights_sharded:
             unit.unshard(async_op=False)
-            if self.state is not TrainingState.BACKWARD:
-                nxt = self._neighbour(unit, +1)
+            if not self.phase.is_(Phase.BACKWARD):
+                nxt = self.forward_order.neighbour(unit, +1)
                 if nxt is not None and not nxt.is_root:
                     nxt.unshard(async_op=True)
         unit.wait_unshard()
@@ -212,7 +228,7 @@ class Engine:
         record = self._exit_forward(unit)
         if not self.strategy.weights_sharded:
             return output
-        if self.state is not TrainingState.BACKWARD:   # recomputation inside backward keeps weights
+        if not self.phase.is_(Phase.BACKWARD):   # recomputation inside backward keeps weights
             unit.reshard()
         self._register_pre_backward(unit, output, record)
         return output
@@ -220,7 +236,7 @@ class Engine:
     def _enter_forward(self, unit: Unit) -> None:
         """Start a record of this forward; ZeRO-3 also watches what autograd saves of the weights."""
         record, hooks = ForwardRecord(), None
-        if self.strategy.weights_sharded and torch.is_grad_enabled() and self.state is not TrainingState.BACKWARD:
+        if self.strategy.weights_sharded and torch.is_grad_enabled() and not self.phase.is_(Phase.BACKWARD):
             ref, u = weakref.ref(self), unit.index
             hooks = SavedWeightHooks(lambda rec, u=u: ref()._pre_backward(ref().units[u], rec), unit.groups, record)
             hooks.enter()
@@ -234,6 +250,7 @@ class Engine:
             hooks.exit()
         return record
 
+    # ------------------------------------------------------------------ backward
     def _register_pre_backward(self, unit: Unit, output, record: ForwardRecord) -> bool:
         """Hook the output's tensors so the unit is gathered (and its predecessor prefetched) as
         soon as its backward begins; ``pre_backward.py`` covers outputs of any other type."""
@@ -248,50 +265,52 @@ class Engine:
     def _pre_backward(self, unit: Unit, record: ForwardRecord) -> None:
         """Called by every trigger of ``pre_backward.py``; the first in a backward prefetches."""
         self._on_backward_start()
-        first_trigger = record.backward_index != self._backward_index
+        first_trigger = record.backward_index != self._backward_count
         if first_trigger and record.backward_index is not None and self.strategy.weights_sharded:
             raise RuntimeError(
                 f"backward ran twice through one forward of unit {unit.fqn or '<root>'!r}: with "
                 "optim_grads_params (ZeRO-3) each forward's gradients are reduce-scattered and its weights "
                 "resharded after the first backward. Run the forward again before another backward.")
-        record.backward_index = self._backward_index
+        record.backward_index = self._backward_count
         if not self.strategy.weights_sharded:
             return
         unit.unshard(async_op=False)
         if first_trigger:
-            prev = self._neighbour(unit, -1)
+            prev = self.forward_order.neighbour(unit, -1)
             if prev is not None and not prev.is_root:
                 prev.unshard(async_op=True)
         unit.wait_unshard()
 
     def _on_backward_start(self) -> None:
-        if self._final_callback_queued:
+        if self.backward_pass is not None:
             return
-        self._backward_index += 1
-        self.state = TrainingState.BACKWARD
-        self._awaiting_backward = None
-        self._final_callback_queued = True
-        self._reducing_this_backward = self.sync_grads or self.strategy.reduce_every_microbatch
+        self.phase.enter(Phase.BACKWARD)
+        self._backward_count += 1
+        self.backward_pass = BackwardPass(
+            reduces=self.requires_gradient_sync or self.strategy.reduce_every_microbatch)
         Variable._execution_engine.queue_callback(self._post_backward_final)
         for group in self.groups:
             group.begin_backward()
-        if self._grads_exposed and self._optimizer_cleared_grads():
-            self.zero_grad_buffer()
+        if self.main_grads_attached and self._optimizer_cleared_grads():
+            self.zero_grads()
 
     def _optimizer_cleared_grads(self) -> bool:
-        """``optimizer.zero_grad(set_to_none=True)`` left ``.grad`` None: start a fresh accumulation."""
-        mains = [m for g in self.groups if g.requires_grad for m in g.main_params]
-        return any(m.grad is None for m in mains)
+        """``optimizer.zero_grad(set_to_none=True)`` left ``.grad`` None: start a fresh accumulation.
+
+        Parameters whose ``.grad`` is None because nobody used them do not count."""
+        return any(main.grad is None and group.got_grad[index]
+                   for group in self.groups if group.requires_grad
+                   for index, main in enumerate(group.main_params))
 
     def _on_grad(self, unit: Unit, group: ParamGroup, index: int, param: nn.Parameter) -> None:
         self._on_backward_start()
         if param.grad is None:
             return
-        if group.strategy.grads_sharded and not group.local_grad_buffer_live:
-            self.wait_reduces()          # bound: one full-size grad buffer in flight
+        if group.strategy.grads_sharded and not group.has_full_size_grad_buffer:
+            self.wait_gradient_reduces()          # bound: one full-size grad buffer in flight
         group.accumulate_grad(index, param.grad)
         param.grad = None
-        if self._reducing_this_backward and group.all_grads_ready():
+        if self.backward_pass.reduces and group.all_grads_ready():
             # Reshard first: the unit's weights are done, and their memory is then free for the
             # reduce's dtype cast (keeps ZeRO-3 backward within 2 weight buffers + 1 grad buffer).
             others_done = all(g is group or not g.requires_grad or g.reduced_this_backward for g in unit.groups)
@@ -300,36 +319,46 @@ class Engine:
             self._reduce(group)
 
     def _reduce(self, group: ParamGroup) -> None:
-        self.wait_reduces()
-        group.reduce_grad(async_op=True)
-        if group.reduce_pending:
-            self._reducing.append(group)
+        self.wait_gradient_reduces()
+        pending = group.reduce_grad(self.gradient_divide_factor)
+        if pending is not None:
+            self._reduces_in_flight.append((group, pending))
 
-    def wait_reduces(self) -> None:
+    @property
+    def gradient_divide_factor(self) -> float:
+        """What reduced gradients are divided by: the data-parallel size (a mean) unless set."""
+        return float(self.comm.size) if self._divide_factor is None else self._divide_factor
+
+    def set_gradient_divide_factor(self, factor: Optional[float]) -> None:
+        if factor is not None and not (isinstance(factor, (int, float)) and factor > 0):
+            raise ValueError(f"factor must be a positive number or None (the data-parallel size), got {factor!r}.")
+        self._divide_factor = None if factor is None else float(factor)
+
+    def wait_gradient_reduces(self) -> None:
         """Wait for the reduces in flight (at most one from the schedule) without scanning all groups."""
-        reducing, self._reducing = self._reducing, []
-        for group in reducing:
-            group.wait_grad_reduce()
+        in_flight, self._reduces_in_flight = self._reduces_in_flight, []
+        for group, pending in in_flight:
+            group.finish_grad_reduce(pending)
 
     def _post_backward_final(self) -> None:
-        self._final_callback_queued = False
-        if self._reducing_this_backward:
+        backward, self.backward_pass = self.backward_pass, None
+        if backward.reduces:
             for group in self.groups:
                 if group.has_unreduced_grads:
                     self._reduce(group)
-            self.wait_reduces()
-            self._expose_grads()
+            self.wait_gradient_reduces()
+            self._attach_main_grads()
         if self.strategy.weights_sharded:
             for unit in self.units:
                 unit.reshard()
-        self.state = TrainingState.IDLE
-        if self._reducing_this_backward:
+        self.phase.enter(Phase.IDLE)
+        if backward.reduces:
             self.allocator.step()
 
-    def _expose_grads(self) -> None:
+    def _attach_main_grads(self) -> None:
         for group in self.groups:
             group.attach_main_grads(none_if_unused=self.unused_grads_are_none)
-        self._grads_exposed = True
+        self.main_grads_attached = True
         if self.check_for_nan_in_grad:
             self._check_grads_finite()
 
@@ -342,18 +371,19 @@ class Engine:
                         f"{bad} in the reduced gradient of parameter {name!r} on data-parallel rank "
                         f"{self.comm.rank} (strategy {self.strategy.name}); check the loss and learning rate.")
 
+    # ------------------------------------------------------------------ between backward and step
     def check_ready_for_optimizer_step(self) -> None:
         """Called before an optimizer steps our main weights: its gradients must be final."""
-        if self.state is TrainingState.BACKWARD or any(g.reduce_pending for g in self.groups):
+        if self.phase.is_(Phase.BACKWARD) or self._reduces_in_flight:
             raise RuntimeError(
                 "optimizer.step() called while a gradient reduce is still pending; call "
-                "finish_grad_sync() (or let backward finish) before stepping.")
+                "model.wait_gradient_reduction() (or let backward finish) before stepping.")
         unreduced = [g.name for g in self.groups if g.has_unreduced_grads]
         if unreduced:
             raise RuntimeError(
                 f"optimizer.step() called with gradients accumulated inside no_sync() but never reduced "
                 f"(groups {unreduced}); run the last micro-batch's backward outside no_sync() or call "
-                "finish_grad_sync() first.")
+                "model.reduce_gradients() first.")
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip main grads by the global norm over all ranks' shards (fp32, one scalar all-reduce)."""
@@ -364,24 +394,30 @@ class Engine:
             local = max((gr.detach().abs().max().float() for gr in grads), default=torch.zeros((), device=device))
             total = local.clone().to(device)
             if self.strategy.optim_sharded:
-                torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.MAX, group=self.comm.group)
+                self.comm.all_reduce(total, op=torch.distributed.ReduceOp.MAX, label="grad norm")
         else:
             local = torch.zeros((), dtype=torch.float32, device=device)
             for gr in grads:
                 local += gr.detach().float().norm(norm_type) ** norm_type
             total = local
             if self.strategy.optim_sharded:          # shards are disjoint: sum them; DDP grads are replicated
-                torch.distributed.all_reduce(total, group=self.comm.group)
+                self.comm.all_reduce(total, label="grad norm")
             total = total ** (1.0 / norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for gr in grads:
             gr.detach().mul_(coef.to(gr.dtype))
         return total
 
-    # ------------------------------------------------------------------ Megatron-facing verbs
+    def scale_gradients(self, factor: float) -> None:
+        """Multiply every gradient this rank holds (reduced and accumulating) by ``factor``."""
+        self.wait_gradient_reduces()
+        for group in self.groups:
+            group.scale_grads(factor)
+
+    # ------------------------------------------------------------------ weights after a step
     def mark_main_weights_changed(self, param_ids: Optional[set] = None) -> None:
         """The main weights (those in ``param_ids``, default all) are about to change (optimizer
-        step, load): refresh their groups at the next sync.
+        step, load): refresh their groups at the next ``refresh_weights``.
 
         Version counters alone are not enough: fused optimizer kernels (``AdamW(fused=True)``)
         update parameters in place without bumping them."""
@@ -389,8 +425,9 @@ class Engine:
             if param_ids is None or any(id(m) in param_ids for m in group.main_params):
                 self._dirty_groups.add(id(group))
 
-    def start_param_sync(self, force_sync: bool = False) -> None:
-        """Refresh replicated weights from main weights that changed (async; ZeRO-3 gathers at use).
+    def refresh_weights(self, wait: bool = False) -> None:
+        """Rebuild replicated compute weights from main weights that changed (ZeRO-1/2: one async
+        all-gather per group; DDP with mixed precision: a local cast). ZeRO-3 gathers at use.
 
         A group stepped by two optimizers before the next forward is refreshed after each; the
         second refresh waits for the first (``ParamGroup._gather_into``), so the forward never
@@ -401,38 +438,43 @@ class Engine:
         for group in self.groups:
             version = group.main_version()
             if id(group) in dirty or version != self._synced_main_version[id(group)]:
-                group.refresh_weights_locally_or_gather(async_op=True)
+                group.rebuild_compute_weights(async_op=True)
                 self._synced_main_version[id(group)] = version
-        if force_sync:
+        if wait:
             for group in self.groups:
-                group.wait_unshard()
+                group.wait_refresh()
 
-    def start_grad_sync(self) -> None:
+    # ------------------------------------------------------------------ explicit gradient sync
+    def start_gradient_reduction(self) -> None:
+        """Issue the reduce of every group holding gradients accumulated under ``no_sync()``."""
         for group in self.groups:
-            if group.has_unreduced_grads and not group.reduce_pending:
-                self._reduce(group)
+            if group.has_unreduced_grads and not any(g is group for g, _ in self._reduces_in_flight):
+                pending = group.reduce_grad(self.gradient_divide_factor)
+                if pending is not None:
+                    self._reduces_in_flight.append((group, pending))
 
-    def finish_grad_sync(self) -> None:
-        """Make every gradient final: reduce what is still local, wait, expose. Idempotent."""
-        if self.state is TrainingState.BACKWARD:
-            raise RuntimeError("finish_grad_sync() called during backward; call it after backward returns.")
-        self.start_grad_sync()
-        self.wait_reduces()
-        self._expose_grads()
+    def finish_gradient_reduction(self) -> None:
+        """Make every gradient final: reduce what is still local, wait, attach. Idempotent."""
+        if self.phase.is_(Phase.BACKWARD):
+            raise RuntimeError("wait_gradient_reduction() called during backward; call it after backward returns.")
+        self.start_gradient_reduction()
+        self.wait_gradient_reduces()
+        self._attach_main_grads()
 
-    def zero_grad_buffer(self) -> None:
+    def zero_grads(self) -> None:
+        """Zero every gradient buffer and forget which parameters got gradients."""
         if self.backward_died():
             self.reset_iteration()
             return
-        self.wait_reduces()
+        self.wait_gradient_reduces()
         for group in self.groups:
-            group.zero_grad_buffers()
-        self._grads_exposed = False
+            group.zero_grads()
+        self.main_grads_attached = False
 
     # ------------------------------------------------------------------ recovery
     def backward_died(self) -> bool:
         """A backward began (hooks fired) but autograd is no longer running it: it raised."""
-        return self.state is TrainingState.BACKWARD and torch._C._current_graph_task_id() == -1
+        return self.phase.is_(Phase.BACKWARD) and torch._C._current_graph_task_id() == -1
 
     def reset_iteration(self) -> None:
         """Return to a clean state after an exception in forward or backward: the batch is skipped.
@@ -442,20 +484,19 @@ class Engine:
         discards the gradients accumulated since the last optimizer step (a partly reduced
         micro-batch cannot be told apart from the rest), so training goes on exactly as if this
         step's batches had never been seen. Called by itself at the next forward or
-        ``zero_grad_buffer()`` after a backward that raised."""
-        self.wait_reduces()
+        ``zero_grad()`` after a backward that raised."""
+        self.wait_gradient_reduces()
         for group in self.groups:
             group.wait_unshard()
+            group.wait_refresh()
             group.discard_backward_state()
         for unit in self.units:
             while unit.forwards_in_flight:
                 self._exit_forward(unit)
             unit.reshard()
-        self.state = TrainingState.IDLE
-        self._final_callback_queued = False
-        self._reducing_this_backward = False
-        self._awaiting_backward = None
-        self.zero_grad_buffer()
+        self.phase.reset()
+        self.backward_pass = None
+        self.zero_grads()
         for group in self.groups:
             for main in group.main_params:
                 main.grad = None

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 from collections import OrderedDict
-from typing import Iterator, Optional, Sequence, Union
+from typing import Iterator, NamedTuple, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -37,10 +37,19 @@ def default_alignment(device: torch.device) -> int:
     return 64 if device.type == "cuda" else 1
 
 
+class ShardedParameter(NamedTuple):
+    """A parameter as the wrapper holds it (see ``FullyShardedModule.sharded_parameters``)."""
+
+    name: str
+    module_param: nn.Parameter     # what forward and backward use (whole or 0-element, per strategy)
+    main_param: nn.Parameter       # what the optimizer steps: this rank's main-weight piece
+    shape: torch.Size
+
+
 class FullyShardedModule:
     """Mixin that a wrapped module's class gains; every method here acts on the whole model."""
 
-    _fsdp: Engine
+    _fsdp_engine: Engine
 
     # -- what the optimizer sees -------------------------------------------------------------
     def named_parameters(self, prefix: str = "", recurse: bool = True,
@@ -53,31 +62,99 @@ class FullyShardedModule:
         for _, main in self.named_parameters():
             yield main
 
-    # -- gradient and weight synchronisation ----------------------------------------------------
+    def sharded_parameters(self) -> Iterator[ShardedParameter]:
+        """One record per parameter: its name, the module's own parameter (what forward uses),
+        the optimizer-facing main parameter and the original shape."""
+        for group in self._fsdp_engine.groups:
+            for name, param, main, shape in zip(group.param_names, group.params, group.main_params, group.shapes):
+                yield ShardedParameter(name, param, main, torch.Size(shape))
+
+    @property
+    def sharding_strategy(self) -> ShardingStrategy:
+        return self._fsdp_engine.strategy
+
+    @property
+    def process_group(self):
+        return self._fsdp_engine.comm.group
+
+    # -- gradient synchronisation (FSDP2's words) -------------------------------------------
     @contextlib.contextmanager
     def no_sync(self):
         """Accumulate gradients locally; DDP and ZeRO-1 reduce only outside this context.
 
         ZeRO-2/3 reduce-scatter every micro-batch by design (that is what keeps their gradient
         memory sharded), so for them this context changes nothing."""
-        engine = self._fsdp
-        previous, engine.sync_grads = engine.sync_grads, False
+        engine = self._fsdp_engine
+        previous = engine.requires_gradient_sync
+        self.set_requires_gradient_sync(False)
         try:
             yield
         finally:
-            engine.sync_grads = previous
+            self.set_requires_gradient_sync(previous)
 
-    def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
-        self._fsdp.finish_grad_sync()
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+        """False: backward accumulates gradients locally (DDP, ZeRO-1) until it is True again or
+        ``reduce_gradients()`` is called (FSDP2's name; ``no_sync()`` is the scoped form)."""
+        self._fsdp_engine.requires_gradient_sync = bool(requires_gradient_sync)
 
-    def start_grad_sync(self, *unused) -> None:
-        self._fsdp.start_grad_sync()
+    def set_gradient_divide_factor(self, factor: Optional[float]) -> None:
+        """Reduced gradients are the sum over ranks divided by ``factor``; ``None`` (default) is the
+        data-parallel size, i.e. the mean torch DDP gives; ``1.0`` gives the sum."""
+        self._fsdp_engine.set_gradient_divide_factor(factor)
 
-    def start_param_sync(self, *unused, force_sync: bool = False, force_dispatch: bool = False) -> None:
-        self._fsdp.start_param_sync(force_sync=force_sync)
+    def reduce_gradients(self, async_op: bool = False) -> None:
+        """Reduce gradients accumulated under ``no_sync()`` now. ``async_op=True`` only issues the
+        collectives; ``wait_gradient_reduction()`` then makes the gradients final."""
+        if async_op:
+            self._fsdp_engine.start_gradient_reduction()
+        else:
+            self._fsdp_engine.finish_gradient_reduction()
 
-    def zero_grad_buffer(self) -> None:
-        self._fsdp.zero_grad_buffer()
+    def wait_gradient_reduction(self) -> None:
+        """Make every gradient final: reduce what is still local, wait for every reduce in flight,
+        point the main parameters' ``.grad`` at the results. Idempotent."""
+        self._fsdp_engine.finish_gradient_reduction()
+
+    def scale_gradients(self, factor: float) -> None:
+        """Multiply every gradient this rank holds by ``factor`` (e.g. 1 / tokens in the batch)."""
+        self._fsdp_engine.scale_gradients(factor)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the gradient buffers (recovering from a failed backward first); ``set_to_none``
+        also sets the main parameters' ``.grad`` to None, as ``nn.Module.zero_grad``."""
+        engine = self._fsdp_engine
+        engine.zero_grads()
+        if set_to_none:
+            for group in engine.groups:
+                for main in group.main_params:
+                    main.grad = None
+
+    # -- weights (FSDP2's words) ---------------------------------------------------------------
+    def unshard(self, async_op: bool = False) -> None:
+        """Make the replicated compute weights current: ZeRO-1/2 start (or with ``async_op=False``
+        finish) the all-gather of main weights that changed; DDP casts them. ZeRO-3 gathers each
+        unit when it runs; for whole weights outside forward use ``summon_full_params()``."""
+        self._fsdp_engine.refresh_weights(wait=not async_op)
+
+    def reshard(self) -> None:
+        """Free ZeRO-3 weights gathered outside the schedule (a no-op for the other strategies)."""
+        for unit in self._fsdp_engine.units:
+            unit.reshard()
+
+    def broadcast_parameters(self, src_rank: int = 0) -> None:
+        """Make every rank hold group rank ``src_rank``'s model (parameters and buffers), as torch
+        DDP does at construction. Sharded strategies hold one logical copy, so only their buffers
+        move."""
+        engine = self._fsdp_engine
+        with torch.no_grad():
+            if not engine.strategy.optim_sharded:
+                engine.comm.broadcast([m for g in engine.groups for m in g.main_params], src_rank,
+                                      label="parameters (broadcast_parameters)")
+                engine.mark_main_weights_changed()
+                engine.refresh_weights(wait=True)
+            buffers = [b for b in self.buffers() if b.numel()]
+            if buffers:
+                engine.comm.broadcast(buffers, src_rank, label="buffers (broadcast_parameters)")
 
     def summon_full_params(self, writeback: bool = True):
         """Context manager: inside it the module's parameters hold their full weights (main-weight
@@ -88,32 +165,26 @@ class FullyShardedModule:
         """Skip the current step after an exception in forward or backward: wait for issued
         collectives, free temporaries, discard the gradients accumulated since the last optimizer
         step. Runs by itself at the next forward or ``zero_grad()`` after a failed backward."""
-        self._fsdp.reset_iteration()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """``nn.Module.zero_grad`` on the main parameters, after recovering from a failed backward."""
-        if self._fsdp.backward_died():
-            self._fsdp.reset_iteration()
-        nn.Module.zero_grad(self, set_to_none=set_to_none)
+        self._fsdp_engine.reset_iteration()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale gradients so their global norm over all ranks' shards is at most ``max_norm``.
 
         Returns the norm before clipping: the value ``torch.nn.utils.clip_grad_norm_`` gives on the
         unsharded DDP model, computed once in fp32."""
-        return self._fsdp.clip_grad_norm_(max_norm, norm_type)
+        return self._fsdp_engine.clip_grad_norm_(max_norm, norm_type)
 
     def comm_stats(self) -> dict:
         """Calls and bytes of each collective since the last ``reset_comm_stats()``."""
-        return self._fsdp.comm.stats.as_dict()
+        return self._fsdp_engine.comm.stats.as_dict()
 
     def reset_comm_stats(self) -> None:
-        self._fsdp.comm.stats.reset()
+        self._fsdp_engine.comm.stats.reset()
 
     def persistent_bytes(self) -> dict:
         """Bytes this rank keeps between steps (weights, main weights, grads; not optimizer state)."""
         total: dict = {}
-        for group in self._fsdp.groups:
+        for group in self._fsdp_engine.groups:
             for role, nbytes in group.persistent_bytes().items():
                 total[role] = total.get(role, 0) + nbytes
         total["total"] = sum(total.values())
@@ -124,7 +195,7 @@ class FullyShardedModule:
         """{original name: full tensor} of every parameter (main-weight precision) and buffer,
         identical on every rank. Gathers one group at a time."""
         out: "OrderedDict[str, torch.Tensor]" = OrderedDict()
-        for group in self._fsdp.groups:
+        for group in self._fsdp_engine.groups:
             full_main = group.gather_full_main()
             for index, names in enumerate(group.all_names):
                 value = group.full_param(full_main, index).clone()
@@ -206,7 +277,7 @@ def _check_same_model_on_all_ranks(module: nn.Module, comm: Communicator, device
     digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
     mine = torch.tensor([digest], dtype=torch.int64, device=device)
     everyone = torch.empty(comm.size, dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(everyone, mine, group=comm.group)
+    comm.all_gather(everyone, mine, label="model digest (wrap-time check)")
     differing = [r for r, d in enumerate(everyone.tolist()) if d != digest]
     if differing:
         raise ValueError(
@@ -333,9 +404,9 @@ def fully_shard(
     module.__class__ = type(f"FullySharded{cls.__name__}", (FullyShardedModule, cls), {})
     module._fsdp_main_params = main_params
     module._fsdp_name_order = name_order
-    module._fsdp = Engine(module, units, strategy, alloc, comm)
-    module._fsdp.check_for_nan_in_grad = bool(check_for_nan_in_grad)
-    module._fsdp.broadcast_buffers = bool(broadcast_buffers)
-    module._fsdp.unused_grads_are_none = unused_param_grads == "none"
+    module._fsdp_engine = Engine(module, units, strategy, alloc, comm)
+    module._fsdp_engine.check_for_nan_in_grad = bool(check_for_nan_in_grad)
+    module._fsdp_engine.broadcast_buffers = bool(broadcast_buffers)
+    module._fsdp_engine.unused_grads_are_none = unused_param_grads == "none"
     comm.stats.reset()
     return module

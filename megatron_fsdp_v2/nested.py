@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .optimizer_hook import mark_replaced, unwatch_optimizer_steps
+from .phase import Phase
 
 
 def _group_ranks(group) -> list[int]:
@@ -38,7 +39,7 @@ def absorb_wrapped_submodules(module: nn.Module, strategy, comm, wrapped_class: 
     """Unwrap every submodule an earlier ``fully_shard`` wrapped; return ``[(unit module, policy)]``."""
     units = []
     for fqn, inner in _outermost_wrapped(module, wrapped_class):
-        engine = inner._fsdp
+        engine = inner._fsdp_engine
         if engine.strategy.name != strategy.name:
             raise ValueError(
                 f"sharding_strategy: submodule {fqn!r} was wrapped with {engine.strategy.name!r}, this call asks "
@@ -47,7 +48,7 @@ def absorb_wrapped_submodules(module: nn.Module, strategy, comm, wrapped_class: 
             raise ValueError(
                 f"process_group: submodule {fqn!r} was wrapped over ranks {_group_ranks(engine.comm.group)}, this "
                 f"call shards over {_group_ranks(comm.group)}; nested fully_shard calls must use one group.")
-        if engine.state.value != "idle" or any(g.reduce_pending or g.has_unreduced_grads for g in engine.groups):
+        if not engine.phase.is_(Phase.IDLE) or any(g.has_unreduced_grads for g in engine.groups):
             raise RuntimeError(
                 f"module: submodule {fqn!r} is in the middle of a training step (gradients not yet reduced); "
                 "wrap the parent before training.")
@@ -61,6 +62,7 @@ def _unwrap(inner: nn.Module, engine) -> None:
     with torch.no_grad():
         for group in engine.groups:
             group.wait_unshard()
+            group.wait_refresh()
             full_main = group.gather_full_main()
             for index, param in enumerate(group.params):
                 param.data = group.full_param(full_main, index).to(group.param_dtype).clone()
@@ -70,5 +72,5 @@ def _unwrap(inner: nn.Module, engine) -> None:
     engine.remove_hooks()
     unwatch_optimizer_steps(engine)
     inner.__class__ = type(inner).__bases__[-1]     # fully_shard made (FullyShardedModule, original class)
-    for attr in ("_fsdp", "_fsdp_main_params", "_fsdp_name_order"):
+    for attr in ("_fsdp_engine", "_fsdp_main_params", "_fsdp_name_order"):
         inner.__dict__.pop(attr, None)

@@ -3,7 +3,7 @@
 ZeRO-1/2 keep replicated compute weights that must be rebuilt (one all-gather per group) after
 every optimizer step. Users call an unmodified ``torch.optim`` optimizer, so we learn about the
 step through torch's global optimizer step post-hook: when the stepping optimizer holds main
-weights of a wrapped model, that model's ``start_param_sync()`` is issued right there (async).
+weights of a wrapped model, that model.s weight refresh is issued right there (async).
 The collective then belongs to the step, not to the first micro-batch of the next step, and it
 overlaps whatever the user does before the next forward (which waits for it).
 
@@ -67,11 +67,11 @@ def _before_optimizer_step(optimizer, args, kwargs) -> None:
 
 def _after_optimizer_step(optimizer, args, kwargs) -> None:
     for engine in _engines_of(optimizer):
-        engine.start_param_sync()
+        engine.refresh_weights()
 
 
 def watch_optimizer_steps(engine) -> None:
-    """Issue ``engine.start_param_sync()`` after every optimizer step touching its main weights."""
+    """Issue ``engine.refresh_weights()`` after every optimizer step touching its main weights."""
     global _HANDLE
     if _HANDLE is None:
         _HANDLE = (register_optimizer_step_pre_hook(_before_optimizer_step),

@@ -11,7 +11,7 @@ A group owns, per ``strategy.py``'s table:
   ``grad_shard`` plus a temporary full-size buffer from the allocator that lives from the unit's
   first gradient to the end of its reduce-scatter.
 
-The engine (``module.py``) decides *when* to call ``unshard`` / ``reshard`` / ``reduce_grad``;
+The engine (``engine.py``) decides *when* to call ``unshard`` / ``reshard`` / ``reduce_grad``;
 this file decides *how*, from the table's booleans.
 """
 
@@ -77,8 +77,11 @@ class ParamGroup:
         self._weights_key = (name, "model_weights")
         self._grad_key = (name, "full_grad")
         self._comm_key = (name, "comm_grad")
+        # The one owner of each kind of weight collective in flight: ZeRO-3's gather into a
+        # temporary buffer, or ZeRO-1/2's refresh of the persistent replicated weights. (Gradient
+        # reduces in flight are owned by the engine: ``reduce_grad`` returns them.)
         self._pending_unshard: Optional[PendingCollective] = None
-        self._pending_reduce: Optional[PendingCollective] = None
+        self._pending_refresh: Optional[PendingCollective] = None
         self.is_unsharded = False
         self._temp_grad: Optional[torch.Tensor] = None
         self.grads_ready = [False] * len(self.params)
@@ -94,6 +97,7 @@ class ParamGroup:
         # *mean* while the other regions are zero. A further backward before the grads are zeroed
         # must scale the mean back to the sum first, or the next reduce divides it by dp again.
         self._own_region_holds_mean = False
+        self._mean_divisor = float(comm.size)      # what the last reduce divided the own region by
         self._init_buffers()
 
     # ------------------------------------------------------------------ construction
@@ -107,20 +111,20 @@ class ParamGroup:
                 initial[start:end].copy_(param.detach().reshape(-1))
             self.main_shard = initial[self.shard_start:self.shard_end].clone() if self.strategy.optim_sharded else initial
         del initial
-        self.main_aliases_model = not self.strategy.optim_sharded and dt.compute == dt.main
+        self.compute_weights_are_main_weights = not self.strategy.optim_sharded and dt.compute == dt.main
         if self.strategy.weights_sharded:
             self.model_weights: Optional[torch.Tensor] = None
             for param in self.params:
                 param.data = torch.empty(0, dtype=dt.compute, device=self.device)
         else:
-            if self.main_aliases_model:
+            if self.compute_weights_are_main_weights:
                 self.model_weights = self.main_shard
             else:
                 self.model_weights = torch.empty(total, dtype=dt.compute, device=self.device)
             self._point_params_at(self.model_weights)
             self.is_unsharded = True
-            if not self.main_aliases_model:
-                self.refresh_weights_locally_or_gather(async_op=False)
+            if not self.compute_weights_are_main_weights:
+                self.rebuild_compute_weights(async_op=False)
 
         self.main_params = [self._make_main_param(i) for i in range(len(self.params))]
         if self.requires_grad:
@@ -153,39 +157,31 @@ class ParamGroup:
         """Changes whenever the optimizer (or a load) writes the main weights in place."""
         return sum(p._version for p in self.main_params)
 
-    def refresh_weights_locally_or_gather(self, async_op: bool = True) -> None:
+    def rebuild_compute_weights(self, async_op: bool = True) -> None:
         """Rebuild the persistent replicated compute weights from the main weights."""
-        if self.main_aliases_model:
+        if self.compute_weights_are_main_weights:
             return
         if self.strategy.optim_sharded:
-            self._gather_into(self.model_weights, async_op)
+            # A refresh still in flight writes into the same buffer (two optimizers stepping before
+            # the next forward each start one): finish it before this one overwrites it.
+            self.wait_refresh()
+            self._pending_refresh = self._gather_into(self.model_weights, async_op)
         else:
             with torch.no_grad():
                 self.model_weights.copy_(self.main_shard)
 
-    def copy_main_weights_to_model_weights(self) -> None:
-        """Megatron's name for the weight refresh: make the compute weights equal the (updated) main
-        weights now. ZeRO-3 has no persistent compute weights: its all-gathers read the main shard."""
-        if self.strategy.weights_sharded:
-            return
-        self.refresh_weights_locally_or_gather(async_op=False)
-        self.wait_unshard()
-
-    def _gather_into(self, full: torch.Tensor, async_op: bool) -> None:
+    def _gather_into(self, full: torch.Tensor, async_op: bool) -> PendingCollective:
         """All-gather the main-weight shards into ``full`` in place.
 
         This rank's shard is cast straight into its own slot of the output and gathered from
         there (the in-place form NCCL and gloo accept), so no separate cast copy of the shard
         lives while the collective is in flight."""
-        # A refresh still in flight writes into ``full`` (two optimizers stepping before the next
-        # forward each start one): finish it before this one overwrites the same buffer.
-        self.wait_unshard()
         start, end = self.layout.shard_range(self.comm.rank)
         slot = full[start:end]
         with torch.no_grad():
             slot.copy_(self.main_shard)
         work = self.comm.all_gather(full, slot, async_op=async_op, label=f"weights of {self.name}")
-        self._pending_unshard = PendingCollective(work if async_op else None, lambda: None)
+        return PendingCollective(work if async_op else None, lambda: None)
 
     def unshard(self, async_op: bool = True) -> None:
         """ZeRO-3: allocate the full compute buffer and all-gather the weights into it."""
@@ -194,11 +190,15 @@ class ParamGroup:
         full = self.allocator.allocate(self._weights_key, self.layout.total_numel, self.dtypes.compute, self.device)
         self.model_weights = full
         self._point_params_at(full)
-        self._gather_into(full, async_op)
+        self._pending_unshard = self._gather_into(full, async_op)
         self.is_unsharded = True
 
     def wait_unshard(self) -> None:
         pending, self._pending_unshard = self._pending_unshard, None
+        _wait(pending)
+
+    def wait_refresh(self) -> None:
+        pending, self._pending_refresh = self._pending_refresh, None
         _wait(pending)
 
     def reshard(self) -> None:
@@ -214,7 +214,8 @@ class ParamGroup:
 
     # ------------------------------------------------------------------ grads
     @property
-    def local_grad_buffer_live(self) -> bool:
+    def has_full_size_grad_buffer(self) -> bool:
+        """ZeRO-2/3: a temporary full-size gradient buffer is allocated (accumulating or reducing)."""
         return self.strategy.grads_sharded and self.allocator.is_live(self._grad_key)
 
     def accumulate_grad(self, index: int, grad: torch.Tensor) -> None:
@@ -234,7 +235,7 @@ class ParamGroup:
             if self._own_region_holds_mean:
                 start, end = self.layout.shard_range(self.comm.rank)
                 with torch.no_grad():
-                    full[start:end].mul_(self.comm.size)
+                    full[start:end].mul_(self._mean_divisor)
                 self._own_region_holds_mean = False
         start, end = self.layout.param_range(index)
         full[start:end].add_(grad.reshape(-1))
@@ -251,37 +252,37 @@ class ParamGroup:
         """Every parameter that may get a gradient (not frozen since wrapping) got this pass's."""
         return all(ready or not trainable for ready, trainable in zip(self.grads_ready, self.trainable))
 
-    def reduce_grad(self, async_op: bool = True) -> None:
-        """Reduce this micro-batch's (or accumulated) local gradients over the data-parallel group.
+    def reduce_grad(self, divide_factor: float) -> Optional[PendingCollective]:
+        """Issue the reduce of this micro-batch's (or accumulated) local gradients over the
+        data-parallel group, asynchronously; the caller owns the returned handle and passes it to
+        ``finish_grad_reduce``. None when there is nothing to reduce.
 
-        Result: the data-parallel mean lands in ``grad_shard`` (added to it: ZeRO-2/3 accumulate over
-        micro-batches), or in ``full_grad``'s shard range (ZeRO-1) or all of ``full_grad`` (DDP).
+        Result: the sum over ranks divided by ``divide_factor`` (the data-parallel size: a mean)
+        lands in ``grad_shard`` (added to it: ZeRO-2/3 accumulate over micro-batches), or in
+        ``full_grad``'s shard range (ZeRO-1) or all of ``full_grad`` (DDP).
         """
         if not self.requires_grad or not self.has_unreduced_grads:
-            return
-        if self._pending_reduce is not None:
-            raise RuntimeError(f"{self.name}: reduce_grad called while the previous reduce is still pending.")
-        dp = self.comm.size
+            return None
         full, release_input = self._grad_comm_input()
 
         if self.strategy.grad_reduce_op == "all_reduce":
-            work = self.comm.all_reduce(full, async_op=async_op, label=f"grads of {self.name}")
+            work = self.comm.all_reduce(full, async_op=True, label=f"grads of {self.name}")
 
             def on_complete(full=full):
                 with torch.no_grad():
                     if full is not self.full_grad:
                         self.full_grad.copy_(full)
                     release_input()
-                    self.full_grad.div_(dp)
+                    self.full_grad.div_(divide_factor)
         else:
             shard_out = torch.empty(self.layout.shard_numel, dtype=full.dtype, device=self.device)
-            work = self.comm.reduce_scatter(shard_out, full, async_op=async_op, label=f"grads of {self.name}")
+            work = self.comm.reduce_scatter(shard_out, full, async_op=True, label=f"grads of {self.name}")
 
             def on_complete(shard_out=shard_out):
                 with torch.no_grad():
                     release_input()
                     if self.strategy.grads_sharded:
-                        self.grad_shard.add_(shard_out.to(self.grad_shard.dtype), alpha=1.0 / dp)
+                        self.grad_shard.add_(shard_out.to(self.grad_shard.dtype), alpha=1.0 / divide_factor)
                     else:
                         # Other ranks' regions hold this rank's unreduced sums, which nobody reads;
                         # zero them so an optimizer that zeroes only its own .grad views
@@ -289,15 +290,25 @@ class ParamGroup:
                         start, end = self.layout.shard_range(self.comm.rank)
                         self.full_grad[:start].zero_()
                         self.full_grad[end:].zero_()
-                        self.full_grad[start:end].copy_(shard_out).div_(dp)
+                        self.full_grad[start:end].copy_(shard_out).div_(divide_factor)
                         self._own_region_holds_mean = True
+                        self._mean_divisor = divide_factor
 
-        self._pending_reduce = PendingCollective(work if async_op else None, on_complete)
         self.reduced_this_backward = True
         self.has_unreduced_grads = False
         self.grads_ready = [False] * len(self.params)
-        if not async_op:
-            self.wait_grad_reduce()
+        return PendingCollective(work, on_complete)
+
+    def finish_grad_reduce(self, pending: PendingCollective) -> None:
+        """Wait for a reduce ``reduce_grad`` issued and store its result."""
+        _wait(pending)
+
+    def scale_grads(self, factor: float) -> None:
+        """Multiply the gradients this group holds (reduced or accumulating) by ``factor``."""
+        with torch.no_grad():
+            for buffer in (self.full_grad, self.grad_shard):
+                if buffer is not None:
+                    buffer.mul_(factor)
 
     def _grad_comm_input(self):
         """The full-size buffer to reduce, in ``grad_comm`` dtype, and how to release it afterwards.
@@ -332,14 +343,6 @@ class ParamGroup:
         self.has_unreduced_grads = False
         self.reduced_this_backward = False
 
-    @property
-    def reduce_pending(self) -> bool:
-        return self._pending_reduce is not None
-
-    def wait_grad_reduce(self) -> None:
-        pending, self._pending_reduce = self._pending_reduce, None
-        _wait(pending)
-
     def main_grad_buffer(self) -> Optional[torch.Tensor]:
         """The buffer laid out like ``main_shard`` that holds the reduced gradients."""
         if not self.requires_grad:
@@ -368,7 +371,7 @@ class ParamGroup:
             else:
                 main.grad = view
 
-    def zero_grad_buffers(self) -> None:
+    def zero_grads(self) -> None:
         with torch.no_grad():
             for buffer in (self.full_grad, self.grad_shard):
                 if buffer is not None:
@@ -383,7 +386,7 @@ class ParamGroup:
         """Bytes this rank keeps between steps, by role (temporaries excluded)."""
         def nbytes(t):
             return 0 if t is None else t.numel() * t.element_size()
-        model = 0 if (self.strategy.weights_sharded or self.main_aliases_model) else nbytes(self.model_weights)
+        model = 0 if (self.strategy.weights_sharded or self.compute_weights_are_main_weights) else nbytes(self.model_weights)
         return {"main_weights": nbytes(self.main_shard), "model_weights": model,
                 "grads": nbytes(self.full_grad) + nbytes(self.grad_shard)}
 

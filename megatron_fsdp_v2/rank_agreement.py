@@ -30,13 +30,12 @@ def check_ranks_agree(comm, device: torch.device, settings: dict[str, str]) -> N
     names = list(settings)
     mine = torch.tensor([_digest(settings[n]) for n in names], dtype=torch.int64, device=device)
     everyone = torch.empty(comm.size * len(names), dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(everyone, mine, group=comm.group)
+    comm.all_gather(everyone, mine, label="settings digest (wrap-time check)")
     table = everyone.view(comm.size, len(names)).tolist()
     differing = [i for i, name in enumerate(names) if len({row[i] for row in table}) > 1]
     if not differing:
         return
-    values: list = [None] * comm.size
-    dist.all_gather_object(values, {names[i]: settings[names[i]] for i in differing}, group=comm.group)
+    values = comm.all_gather_object({names[i]: settings[names[i]] for i in differing})
     lines = []
     for i in differing:
         name = names[i]

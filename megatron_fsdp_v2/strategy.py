@@ -1,6 +1,6 @@
 """The strategy table: the one place that says what each sharding strategy keeps and when it talks.
 
-Strategies differ only in data (STYLE.md, "strategy as data"): which buffers a rank keeps sharded
+Strategies differ only in data, never in code paths: which buffers a rank keeps sharded
 between steps and which collective reduces gradients when. Code elsewhere asks
 ``strategy.grads_sharded``, never ``strategy.name == "optim_grads"``.
 
@@ -44,11 +44,6 @@ class ShardingStrategy:
     def grad_reduce_op(self) -> str:
         """``"all_reduce"`` when every rank needs every gradient, else ``"reduce_scatter"``."""
         return "reduce_scatter" if self.optim_sharded else "all_reduce"
-
-    @property
-    def refreshes_weights_by_all_gather(self) -> bool:
-        """Replicated compute weights rebuilt from updated main-weight shards once per step."""
-        return self.optim_sharded and not self.weights_sharded
 
 
 STRATEGIES: dict[str, ShardingStrategy] = {

@@ -14,6 +14,8 @@ import contextlib
 
 import torch
 
+from .phase import Phase
+
 
 @contextlib.contextmanager
 def summon_full_params(module, writeback: bool = True):
@@ -29,14 +31,15 @@ def summon_full_params(module, writeback: bool = True):
     forward or backward (the module's own all-gathers own the parameters then).
     """
     engine = _engine_of(module)
-    if engine.state.value != "idle":
-        raise RuntimeError(f"summon_full_params() called during {engine.state.value}; call it between steps.")
-    engine.wait_reduces()
+    if not engine.phase.is_(Phase.IDLE):
+        raise RuntimeError(f"summon_full_params() called during {engine.phase.phase.value}; call it between steps.")
+    engine.wait_gradient_reduces()
     restore = []
     gathered = []
     with torch.no_grad():
         for group in engine.groups:
             group.wait_unshard()
+            group.wait_refresh()
             full_main = group.gather_full_main()
             gathered.append((group, full_main))
             for index, param in enumerate(group.params):
@@ -52,12 +55,12 @@ def summon_full_params(module, writeback: bool = True):
                 for group, full_main in gathered:
                     group.main_shard.copy_(full_main[group.shard_start:group.shard_end])
                 engine.mark_main_weights_changed()
-                engine.start_param_sync(force_sync=True)
+                engine.refresh_weights(wait=True)
 
 
 def _engine_of(module):
     for candidate in (module, getattr(module, "module", None)):
-        engine = getattr(candidate, "_fsdp", None)
+        engine = getattr(candidate, "_fsdp_engine", None)
         if engine is not None:
             return engine
     raise TypeError(f"module: expected a module wrapped by fully_shard, got {type(module).__name__}.")

@@ -59,7 +59,8 @@ class Allocator(abc.ABC):
         self.peak_live_bytes = self.live_bytes
 
     def step(self) -> None:
-        """Called by the engine once per optimizer step (after the last backward).
+        """Called by the engine at the end of every backward that reduced gradients (each
+        micro-batch for ZeRO-2/3, the last one for DDP / ZeRO-1) and after ``reset_iteration``.
 
         Allocators that learn from a trace (``TracePoolAllocator``) use it as the iteration
         boundary; the default does nothing."""

@@ -20,7 +20,11 @@ from megatron_fsdp_v2.allocators.base import Allocator, BufferKey
 
 
 class StorageFreeingBucketAllocator(Allocator):
-    """One cached 1-D tensor per key; ``free`` drops its storage, ``allocate`` regrows it."""
+    """One cached 1-D tensor per key; ``free`` drops its storage, ``allocate`` regrows it.
+
+    It holds no buckets: the name is the one the design (and Megatron-FSDP's allocator of the
+    same role) uses for "the flexible allocator", kept so the two can be compared by name; each
+    key is one group's temporary buffer."""
 
     def __init__(self) -> None:
         super().__init__()

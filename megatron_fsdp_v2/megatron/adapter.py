@@ -200,17 +200,18 @@ def _mixed_precision(config: TransformerConfig, ddp_config: DistributedDataParal
                                 grad_comm_dtype=comm)
 
 
-class MainWeightsBuffer:
+class WeightRefreshForMegatronOptimizer:
     """What Megatron's optimizer reaches through ``model_chunk.param_and_grad_buffer`` on its
-    Megatron-FSDP path: after the inner step it asks for the compute weights to be rebuilt."""
+    Megatron-FSDP path. It holds no buffer (ours live in the core): its only method, called after
+    the inner optimizer step, asks for the compute weights to be rebuilt."""
 
     def __init__(self, wrapper: "FullyShardedDataParallel") -> None:
         self._wrapper = wrapper
 
     def copy_main_weights_to_model_weights(self) -> None:
         """Start rebuilding the compute weights from the updated main weights (idempotent: the
-        engine tracks which main weights changed; ZeRO-3 all-gathers them at the next use)."""
-        self._wrapper.module.start_param_sync()
+        core tracks which main weights changed; ZeRO-3 all-gathers them at the next use)."""
+        self._wrapper.module.unshard(async_op=True)
 
 
 class FullyShardedDataParallel(DistributedDataParallel):
@@ -299,10 +300,14 @@ class FullyShardedDataParallel(DistributedDataParallel):
         self.remove_forward_pre_hook_handles = {}
         self.force_all_reduce = False
         self.overlap_param_gather_with_optimizer_step = False
-        self.param_and_grad_buffer = MainWeightsBuffer(self)
+        self.param_and_grad_buffer = WeightRefreshForMegatronOptimizer(self)
         # Without overlap_grad_reduce Megatron installs no no_sync_func: accumulate locally and
         # reduce once in finish_grad_sync (ZeRO-2/3 still reduce-scatter every micro-batch).
-        self._engine.sync_grads = bool(ddp_config.overlap_grad_reduce)
+        module.set_requires_gradient_sync(bool(ddp_config.overlap_grad_reduce))
+        # With per-token loss Megatron DDP sums gradients over data-parallel ranks and
+        # finalize_model_grads then scales by 1 / tokens (scale_gradients below).
+        if getattr(config, "calculate_per_token_loss", False):
+            module.set_gradient_divide_factor(1.0)
         # Strip "module." (Float16Module) from checkpoint keys, as Float16Module.state_dict does.
         self._ckpt_prefix = "module." if unwrapped is not module else ""
         # Megatron-LM's save_checkpoint asks unwrap_model(self) (below Float16Module) for its
@@ -310,7 +315,7 @@ class FullyShardedDataParallel(DistributedDataParallel):
         install_model_checkpointing(unwrapped, self)
         self._annotate_main_params()
         logger.info("megatron_fsdp_v2 FullyShardedDataParallel: strategy=%s dp=%d units=%d policy=%s",
-                    strategy.name, dist.get_world_size(dp_group), len(self._engine.units), policy)
+                    strategy.name, dist.get_world_size(dp_group), len(units or ()) + 1, policy)
 
     # ------------------------------------------------------------------ construction helpers
     @staticmethod
@@ -338,16 +343,11 @@ class FullyShardedDataParallel(DistributedDataParallel):
 
     def _annotate_main_params(self) -> None:
         """Give each main parameter the original parameter's Megatron attributes and shape."""
-        for group in self._engine.groups:
-            for param, main, shape in zip(group.params, group.main_params, group.shapes):
-                for key, value in vars(param).items():
-                    if not key.startswith("_") and key not in _NOT_COPIED:
-                        setattr(main, key, value)
-                setattr(main, ORIGINAL_SHAPE_ATTR, torch.Size(shape))
-
-    @property
-    def _engine(self):
-        return self.module._fsdp
+        for entry in self.module.sharded_parameters():
+            for key, value in vars(entry.module_param).items():
+                if not key.startswith("_") and key not in _NOT_COPIED:
+                    setattr(entry.main_param, key, value)
+            setattr(entry.main_param, ORIGINAL_SHAPE_ATTR, entry.shape)
 
     # ------------------------------------------------------------------ parameters
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
@@ -367,43 +367,34 @@ class FullyShardedDataParallel(DistributedDataParallel):
             yield
 
     def start_grad_sync(self, *unused) -> None:
-        self.module.start_grad_sync()
+        self.module.reduce_gradients(async_op=True)
 
     def finish_grad_sync(self, force_all_reduce: Optional[bool] = False) -> None:
         """Reduce what is still local, wait for every reduce, expose the reduced grads as the main
         params' ``.grad``. ``force_all_reduce`` (Megatron: keep full grads for dumping them) is
         ignored: the sharded strategies only ever hold their shard of the gradients."""
-        self.module.finish_grad_sync()
+        self.module.wait_gradient_reduction()
 
     def scale_gradients(self, scaling_factor: float) -> None:
-        """Multiply the reduced gradients (call after ``finish_grad_sync``, as Megatron does).
-
-        With ``config.calculate_per_token_loss`` Megatron's DDP *sums* gradients over the
-        data-parallel group and ``finalize_model_grads`` then calls this with 1 / (tokens in the
-        global batch); our reduction averages, so the factor is multiplied by the DP size here."""
-        if getattr(self.config, "calculate_per_token_loss", False):
-            scaling_factor = scaling_factor * dist.get_world_size(self.dp_group)
-        self._engine.wait_reduces()
-        with torch.no_grad():
-            for group in self._engine.groups:
-                for buffer in (group.full_grad, group.grad_shard):
-                    if buffer is not None:
-                        buffer.mul_(scaling_factor)
+        """Multiply the reduced gradients (Megatron calls it after ``finish_grad_sync``; with
+        ``calculate_per_token_loss`` the core sums over ranks, as Megatron DDP does, and this
+        multiplies by 1 / tokens in the global batch)."""
+        self.module.scale_gradients(scaling_factor)
 
     def zero_grad_buffer(self) -> None:
-        self.module.zero_grad_buffer()
+        """Zero the gradients and keep every ``main_grad``/``.grad`` tensor (Megatron DDP's contract)."""
+        self.module.zero_grad(set_to_none=False)
 
     # ------------------------------------------------------------------ weight sync
     def start_param_sync(self, *unused, force_sync: bool = False, force_dispatch: bool = False) -> None:
         """Rebuild the compute weights from changed main weights (async unless ``force_sync``)."""
-        self.module.start_param_sync(force_sync=force_sync)
+        self.module.unshard(async_op=not force_sync)
 
     def synchronize_param_gather(self) -> None:
-        for group in self._engine.groups:
-            group.wait_unshard()
+        self.module.unshard(async_op=False)
 
     def synchronize_gradient_reduce(self) -> None:
-        self._engine.wait_reduces()
+        self.module.wait_gradient_reduction()
 
     def stop_communication(self) -> None:
         """Wait for every outstanding reduce and all-gather."""
@@ -411,7 +402,7 @@ class FullyShardedDataParallel(DistributedDataParallel):
         self.synchronize_param_gather()
 
     def enable_forward_pre_hook(self) -> None:
-        """No-op: weights are refreshed by the engine's own hooks."""
+        """No-op: weights are refreshed by the core's own hooks."""
 
     def disable_forward_pre_hook(self, param_sync: bool = True) -> None:
         if param_sync:
@@ -421,7 +412,7 @@ class FullyShardedDataParallel(DistributedDataParallel):
         """No-op (Megatron DDP bucket bookkeeping)."""
 
     def free_overlap_buffers(self) -> None:
-        """No-op: temporaries are owned by the engine's allocator."""
+        """No-op: temporaries are owned by the core's allocator."""
 
     def offload_grad_buffers(self, synchronize: bool = True, empty_cache: bool = True) -> None:
         raise NotImplementedError("FullyShardedDataParallel does not support offloading gradient buffers.")
@@ -430,21 +421,9 @@ class FullyShardedDataParallel(DistributedDataParallel):
         raise NotImplementedError("FullyShardedDataParallel does not support offloading gradient buffers.")
 
     def broadcast_params(self) -> None:
-        """Make every data-parallel rank hold data-parallel rank 0's model.
-
-        ``no_shard`` keeps a full replica per rank: broadcast it. The sharded strategies hold one
-        logical copy (each rank its disjoint shard), so ranks cannot disagree; buffers are
-        broadcast in every case."""
-        group = self.dp_group
-        src = dist.get_global_rank(group, 0)
-        with torch.no_grad():
-            if not self.strategy.optim_sharded:
-                for param_group in self._engine.groups:
-                    for main in param_group.main_params:
-                        dist.broadcast(main.data, src=src, group=group)
-                    param_group.refresh_weights_locally_or_gather(async_op=False)
-            for buffer in self.module.buffers():
-                dist.broadcast(buffer.data, src=src, group=group)
+        """Make every data-parallel rank hold data-parallel rank 0's model (parameters of the
+        replicated strategy, buffers always: the sharded ones hold one logical copy)."""
+        self.module.broadcast_parameters(src_rank=0)
 
     # ------------------------------------------------------------------ accounting
     def comm_stats(self) -> dict:

@@ -36,7 +36,7 @@ def _api():
 
     def save(path, model, optimizer=None):
         full = model.full_state_dict()
-        group = model._fsdp.comm.group
+        group = model._fsdp_engine.comm.group
         if dist.get_rank(group) == 0:
             torch.save({k: v.cpu() for k, v in full.items()}, path + ".pt")
         dist.barrier(group=group)

@@ -33,7 +33,7 @@ def _measure(world, strategy: str, spec) -> dict:
     cuda = world.is_cuda
     base = torch.cuda.memory_allocated(world.device) if cuda else 0
     model, optimizer, info = harness.shard_gpt(spec, world, strategy)
-    alloc = model._fsdp.allocator
+    alloc = model._fsdp_engine.allocator
     k = spec.micro_batches
     data = harness.batches(spec, world.rank, world, n=2 * k)
     phases, live_after = [], []
@@ -55,18 +55,18 @@ def _measure(world, strategy: str, spec) -> dict:
     if cuda:
         torch.cuda.synchronize(world.device)
         peak = torch.cuda.max_memory_allocated(world.device) - base
-    units = model._fsdp.units
+    units = model._fsdp_engine.units
     unit_sizes = {(g.layout.total_numel * g.dtypes.compute.itemsize, g.layout.total_numel * g.dtypes.grad_comm.itemsize)
                   for u in units[1:] for g in u.groups}
     result = dict(
         persistent=model.persistent_bytes(),
-        padded=[g.layout.total_numel for g in model._fsdp.groups],
+        padded=[g.layout.total_numel for g in model._fsdp_engine.groups],
         expected_padded=harness.expected_group_numels(info, world.size, 64 if cuda else 1),
         groups_per_unit=[len(u.groups) for u in units],
         unit_sizes=unit_sizes,
         root_weight=sum(g.layout.total_numel * g.dtypes.compute.itemsize for g in units[0].groups),
         root_grad=sum(g.layout.total_numel * g.dtypes.grad_comm.itemsize for g in units[0].groups),
-        max_grad_shard=max(g.layout.shard_numel * g.dtypes.grad_comm.itemsize for g in model._fsdp.groups),
+        max_grad_shard=max(g.layout.shard_numel * g.dtypes.grad_comm.itemsize for g in model._fsdp_engine.groups),
         phases=phases, live_after=live_after, peak=peak,
     )
     del model, optimizer, alloc

@@ -88,9 +88,9 @@ def _count(world, strategy):
 
         harness.plain_step(model, optimizer, data[step * k:(step + 1) * k], world, phase_hook=hook)
         steps.append(_stats_delta({n: {"count": 0, "bytes": 0} for n in COLLECTIVES}, model.comm_stats()))
-    groups = model._fsdp.groups
+    groups = model._fsdp_engine.groups
     layout = dict(padded=[g.layout.total_numel for g in groups],
-                  units=len(model._fsdp.units),
+                  units=len(model._fsdp_engine.units),
                   itemsizes={(g.dtypes.compute.itemsize, g.dtypes.grad_comm.itemsize) for g in groups})
     del model, optimizer
     harness.release_memory(world)

@@ -110,7 +110,7 @@ def _addresses_per_iteration(events):
 
 def _byte_sizes(model):
     """Weight and grad bytes of one unit's buffer and of the root unit's buffers, from the layouts."""
-    units = model._fsdp.units
+    units = model._fsdp_engine.units
     per_unit = set()
     for unit in units[1:]:
         assert len(unit.groups) == 1, "every Block must be exactly one group"
@@ -141,7 +141,7 @@ def _run_config(rank, strategy, allocator, n_units, precision=None):
     torch.manual_seed(0)
     model = fully_shard(BlockStack(n_units), sharding_strategy=strategy, unit_modules=[Block],
                         allocator=allocator, mixed_precision=POLICIES[precision])
-    alloc = model._fsdp.allocator
+    alloc = model._fsdp_engine.allocator
     events = _record_allocations(alloc)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     compute_dtype = torch.float32 if precision is None else torch.bfloat16

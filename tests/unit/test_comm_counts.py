@@ -37,7 +37,7 @@ def count_phases_worker(rank, world_size, strategy, k=K):
         phases[(step, "step")] = counter.take()
         opt.zero_grad()
         stats = model.comm_stats()
-    groups = model._fsdp.groups
+    groups = model._fsdp_engine.groups
     padded = [g.layout.total_numel for g in groups]
     true_numel = sum(p.numel() for g in groups for p in g.params)
     return phases, stats, padded, true_numel

@@ -42,9 +42,7 @@ def backward_twice(rank, strategy):
         model(x).sum().backward()
     out["grads"] = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).tolist()
     if strategy != "optim_grads_params":       # ZeRO-3 frees the weights a second backward needs
-        model.zero_grad_buffer()
-        for p in model.parameters():
-            p.grad = None
+        model.zero_grad()
         y = model(x).sum()
         y.backward(retain_graph=True)
         y.backward()
@@ -134,7 +132,7 @@ def unused_params(rank, strategy):
     for m in (ddp, ours):
         m(x, use_sometimes=(rank == 1)).sum().backward()
     ddp_grad = ddp.module.sometimes.weight.grad.reshape(-1)
-    group = next(g for g in ours._fsdp.groups if "sometimes.weight" in g.param_names)
+    group = next(g for g in ours._fsdp_engine.groups if "sometimes.weight" in g.param_names)
     index = group.param_names.index("sometimes.weight")
     if group.strategy.optim_sharded:
         piece = group.layout.shard_slice(index, rank)
@@ -221,7 +219,7 @@ def nested_wrapping(rank, strategy):
     for block in model.blocks:
         fully_shard(block, sharding_strategy=strategy)
     fully_shard(model, sharding_strategy=strategy)
-    out["units"] = len(model._fsdp.units)
+    out["units"] = len(model._fsdp_engine.units)
     out["local_numel"] = sum(p.numel() for p in model.parameters())
     for m in (ddp, model):
         opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
@@ -364,7 +362,7 @@ def batchnorm(rank, strategy):
     model = fully_shard(BNNet(), sharding_strategy=strategy, mixed_precision=bf16)
     y = model(torch.randn(8, 5, dtype=torch.bfloat16))
     y.float().pow(2).mean().backward()
-    out["bf16_default"] = (str(y.dtype), [g.dtypes.compute for g in model._fsdp.groups])
+    out["bf16_default"] = (str(y.dtype), [g.dtypes.compute for g in model._fsdp_engine.groups])
     # ... or a per-unit policy: a nested call keeps the norm unit in fp32 with the exception off
     torch.manual_seed(0)
     net = BNBlockNet()
@@ -373,7 +371,7 @@ def batchnorm(rank, strategy):
     fully_shard(net, sharding_strategy=strategy, mixed_precision=no_exception)
     y = net(torch.randn(8, 5, dtype=torch.bfloat16))
     y.float().pow(2).mean().backward()
-    out["bf16_per_unit"] = sorted((g.name, str(g.dtypes.compute)) for g in net._fsdp.groups)
+    out["bf16_per_unit"] = sorted((g.name, str(g.dtypes.compute)) for g in net._fsdp_engine.groups)
     try:
         torch.manual_seed(0)
         bad = fully_shard(BNNet(), sharding_strategy=strategy, mixed_precision=no_exception)

@@ -88,8 +88,8 @@ def semantics_worker(rank, world_size, strategy):
     for i, (xb, yb) in enumerate(batches):
         with (model.no_sync() if i < 2 else contextlib.nullcontext()):
             ((model(xb) - yb) ** 2).mean().backward()
-    model.finish_grad_sync()
-    model.finish_grad_sync()             # idempotent
+    model.wait_gradient_reduction()
+    model.wait_gradient_reduction()      # idempotent
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     # reference grad: local sums, averaged over ranks with an explicit all_reduce
     plain.zero_grad()
@@ -101,7 +101,7 @@ def semantics_worker(rank, world_size, strategy):
         torch.distributed.all_reduce(g)
         ref[n] = (g / world_size).reshape(-1)
     group_of = {}
-    for g in model._fsdp.groups:
+    for g in model._fsdp_engine.groups:
         for i, names in enumerate(g.all_names):
             group_of[names[0]] = (g, i)
     errs = []
@@ -115,7 +115,7 @@ def semantics_worker(rank, world_size, strategy):
         errs.append((grad.reshape(-1) - want).abs().max().item() if want.numel() else 0.0)
     out["grad_err"] = max(errs)
     out["ref_grad_nonzero"] = all(v.abs().sum() > 0 for v in ref.values())
-    # zero_grad(set_to_none=False) zeroes, set_to_none=True resets accumulation, zero_grad_buffer too
+    # zero_grad(set_to_none=False) zeroes, set_to_none=True resets accumulation, model.zero_grad(set_to_none=False) too
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     opt.zero_grad(set_to_none=False)
     out["zeroed"] = all(float(p.grad.abs().sum()) == 0 for p in model.parameters())
@@ -126,13 +126,13 @@ def semantics_worker(rank, world_size, strategy):
     ((model(xb) - yb) ** 2).mean().backward()
     two = {n: p.grad.clone() for n, p in model.named_parameters()}
     out["set_to_none_resets"] = all(torch.equal(one[n], two[n]) for n in one)
-    model.zero_grad_buffer()
+    model.zero_grad(set_to_none=False)
     out["zero_grad_buffer"] = all(float(p.grad.abs().sum()) == 0 for p in model.parameters())
-    # updated weights used by the next forward without any other call; start_param_sync early
+    # updated weights used by the next forward without any other call; unshard(async_op=True) early
     before = model(xb).detach()
     ((model(xb) - yb) ** 2).mean().backward()
     opt.step()
-    model.start_param_sync()
+    model.unshard(async_op=True)
     after = model(xb).detach()
     out["forward_sees_update"] = not torch.equal(before, after)
     full = model.full_state_dict()
@@ -190,13 +190,13 @@ def test_fused_optimizer_updates_reach_the_next_forward():
             assert same_as_full, strategy
 
 
-def test_param_group_copies_main_weights_into_model_weights(single_rank_group):
+def test_unshard_copies_main_weights_into_model_weights(single_rank_group):
     for strategy in ("no_shard", "optim", "optim_grads"):
         torch.manual_seed(0)
         model = fully_shard(UnevenNet(), sharding_strategy=strategy, unit_modules=[Block])
-        group = model._fsdp.groups[1]
+        group = model._fsdp_engine.groups[1]
         with torch.no_grad():
             group.main_params[0].add_(1.0)         # an update the engine was not told about
-        group.copy_main_weights_to_model_weights()
+        model.unshard()                          # the version counter shows the change
         full = model.full_state_dict()
         assert torch.equal(group.params[0].detach(), full[group.param_names[0]]), strategy

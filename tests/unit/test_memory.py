@@ -18,10 +18,10 @@ def memory_worker(rank, world_size):
     out = {}
     for strategy in STRATEGY_NAMES:
         model, _ = sharded_run(rank, strategy, steps=2, k=2, opt_name="adamw")
-        groups = model._fsdp.groups
+        groups = model._fsdp_engine.groups
         unit_numels = [sum(g.layout.numels) for g in groups]
         zero3_model_params_empty = all(p.numel() == 0 for g in groups for p in g.params)
-        out[strategy] = (model.persistent_bytes(), unit_numels, model._fsdp.allocator.live_bytes,
+        out[strategy] = (model.persistent_bytes(), unit_numels, model._fsdp_engine.allocator.live_bytes,
                          zero3_model_params_empty)
     return out
 

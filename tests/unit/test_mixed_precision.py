@@ -52,7 +52,7 @@ def mp_worker(rank, world_size):
             policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, grad_comm_dtype=comm_dtype)
             model = fully_shard(UnevenNet(), sharding_strategy=strategy, unit_modules=[Block],
                                 mixed_precision=policy)
-            compute_dtypes = {p.dtype for g in model._fsdp.groups for p in g.params}
+            compute_dtypes = {p.dtype for g in model._fsdp_engine.groups for p in g.params}
             main_dtypes = {p.dtype for p in model.parameters()}
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
             for step in range(STEPS):

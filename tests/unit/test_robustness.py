@@ -33,7 +33,7 @@ def clip_worker(rank, world_size):
             (loss_fn(model(x), y) * 50).backward()
             got = model.clip_grad_norm_(0.5, norm_type=norm_type)
             errs = []
-            for g in model._fsdp.groups:
+            for g in model._fsdp_engine.groups:
                 for i, names in enumerate(g.all_names):
                     grad = g.main_params[i].grad.reshape(-1)
                     ref = clipped[names[0]]
@@ -72,9 +72,9 @@ def misuse_worker(rank, world_size):
     with model.no_sync():
         loss_fn(model(x), y).backward()
     catch("step_unreduced", opt.step)
-    model.start_grad_sync()
+    model.reduce_gradients(async_op=True)
     catch("step_pending", opt.step)
-    model.finish_grad_sync()
+    model.wait_gradient_reduction()
     catch("step_ok", opt.step)
 
     torch.manual_seed(0)
@@ -180,8 +180,8 @@ def long_run_worker(rank, world_size, steps):
                 opt.step()
                 opt.zero_grad()
                 if step in (2, steps):
-                    figures[step] = (model._fsdp.allocator.live_bytes, model._fsdp.allocator.peak_live_bytes,
-                                     _tensor_bytes(), _hook_count(model), model._fsdp.hook_count())
+                    figures[step] = (model._fsdp_engine.allocator.live_bytes, model._fsdp_engine.allocator.peak_live_bytes,
+                                     _tensor_bytes(), _hook_count(model), model._fsdp_engine.hook_count())
             out[(strategy, allocator)] = (figures, time.perf_counter() - start)
     return out
 
@@ -208,7 +208,7 @@ def test_a_dropped_model_is_freed(strategy, single_rank_group):
     x, y = make_batches(0, 0, 1)[0]
     loss_fn(model(x), y).backward()
     opt.step()
-    model_ref, engine_ref = weakref.ref(model), weakref.ref(model._fsdp)
+    model_ref, engine_ref = weakref.ref(model), weakref.ref(model._fsdp_engine)
     del model, opt
     gc.collect()
     assert model_ref() is None and engine_ref() is None

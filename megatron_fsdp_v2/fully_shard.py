@@ -156,10 +156,12 @@ class FullyShardedModule:
             if buffers:
                 engine.comm.broadcast(buffers, src_rank, label="buffers (broadcast_parameters)")
 
-    def summon_full_params(self, writeback: bool = True):
+    def summon_full_params(self, recurse: bool = True, writeback: bool = True, rank0_only: bool = False,
+                           offload_to_cpu: bool = False, with_grads: bool = False):
         """Context manager: inside it the module's parameters hold their full weights (main-weight
         precision, every strategy); see ``megatron_fsdp_v2.summon.summon_full_params``."""
-        return summon_full_params(self, writeback=writeback)
+        return summon_full_params(self, recurse=recurse, writeback=writeback, rank0_only=rank0_only,
+                                  offload_to_cpu=offload_to_cpu, with_grads=with_grads)
 
     def reset_iteration(self) -> None:
         """Skip the current step after an exception in forward or backward: wait for issued

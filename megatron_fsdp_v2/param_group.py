@@ -398,6 +398,17 @@ class ParamGroup:
         self.comm.all_gather(full, self.main_shard.detach(), label=f"main weights of {self.name}")
         return full
 
+    def gather_full_grad(self) -> Optional[torch.Tensor]:
+        """The whole reduced-gradient buffer on every rank (None for a frozen group)."""
+        buffer = self.main_grad_buffer()
+        if buffer is None:
+            return None
+        if not self.strategy.optim_sharded:
+            return buffer.detach().clone()
+        full = torch.empty(self.layout.total_numel, dtype=buffer.dtype, device=self.device)
+        self.comm.all_gather(full, buffer.detach().contiguous(), label=f"main grads of {self.name}")
+        return full
+
     def full_param(self, full_main: torch.Tensor, index: int) -> torch.Tensor:
         start, end = self.layout.param_range(index)
         return full_main[start:end].view(self.shapes[index])

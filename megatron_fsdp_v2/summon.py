@@ -18,22 +18,33 @@ from .phase import Phase
 
 
 @contextlib.contextmanager
-def summon_full_params(module, writeback: bool = True):
+def summon_full_params(module, recurse: bool = True, writeback: bool = True, rank0_only: bool = False,
+                       offload_to_cpu: bool = False, with_grads: bool = False):
     """Inside the context, ``module``'s parameters (as its submodules hold them, e.g.
     ``module.layer.weight``) are the full tensors in main-weight precision, equal on every rank.
 
-    Args:
+    Args (FSDP1's):
         module: a module returned by ``fully_shard`` (or an object whose ``.module`` is one).
+        recurse: accepted for FSDP1 compatibility; the whole model is always gathered (one call
+            covers every unit).
         writeback: copy in-place changes back into the main weights on exit (each rank keeps its
             shard of what it holds; change every rank the same way). ``False`` discards them.
+        rank0_only: only data-parallel rank 0 sees the full weights (the others keep what they
+            hold); needs ``writeback=False``, as in FSDP1.
+        offload_to_cpu: the full tensors live on the CPU (saves device memory for large models).
+        with_grads: also give each parameter its full reduced gradient as ``.grad``.
 
     Collective: every rank of the data-parallel group must enter it together. Not allowed during
     forward or backward (the module's own all-gathers own the parameters then).
     """
     engine = _engine_of(module)
+    if rank0_only and writeback:
+        raise ValueError("summon_full_params: rank0_only=True needs writeback=False (the other ranks hold no "
+                         "full copy to write back), got writeback=True.")
     if not engine.phase.is_(Phase.IDLE):
         raise RuntimeError(f"summon_full_params() called during {engine.phase.phase.value}; call it between steps.")
     engine.wait_gradient_reduces()
+    receives = not rank0_only or engine.comm.rank == 0
     restore = []
     gathered = []
     with torch.no_grad():
@@ -41,16 +52,24 @@ def summon_full_params(module, writeback: bool = True):
             group.wait_unshard()
             group.wait_refresh()
             full_main = group.gather_full_main()
+            full_grad = group.gather_full_grad() if with_grads else None
+            if offload_to_cpu:
+                full_main = full_main.cpu()
+                full_grad = None if full_grad is None else full_grad.cpu()
             gathered.append((group, full_main))
+            if not receives:
+                continue
             for index, param in enumerate(group.params):
-                restore.append((param, param.data))
+                restore.append((param, param.data, param.grad))
                 param.data = group.full_param(full_main, index)
+                param.grad = None if full_grad is None else group.full_param(full_grad, index)
     try:
         yield module
     finally:
         with torch.no_grad():
-            for param, data in restore:
+            for param, data, grad in restore:
                 param.data = data
+                param.grad = grad
             if writeback:
                 for group, full_main in gathered:
                     group.main_shard.copy_(full_main[group.shard_start:group.shard_end])

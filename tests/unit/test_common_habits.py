@@ -406,6 +406,27 @@ def summon(rank, strategy):
     ref = UnevenNet()
     ref.load_state_dict({k: v for k, v in model.full_state_dict().items()})
     out["forward_diff"] = float((model(x) - ref(x)).abs().max())
+    # FSDP1's options: full gradients, rank 0 only, CPU copies
+    x, y = make_batches(0, rank, 1)[0]
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(UnevenNet())
+    loss_fn(ddp(x), y).backward()
+    torch.manual_seed(0)
+    model = fully_shard(UnevenNet(), sharding_strategy=strategy, unit_modules=[Block])
+    loss_fn(model(x), y).backward()
+    want = dict(ddp.module.named_parameters())
+    with model.summon_full_params(writeback=False, with_grads=True, offload_to_cpu=True):
+        out["with_grads_diff"] = max(float((p.grad - want[n].grad).abs().max())
+                                     for n, p in nn.Module.named_parameters(model))
+        out["offloaded_device"] = str(model.head.weight.device)
+    with model.summon_full_params(writeback=False, rank0_only=True):
+        out["rank0_only_shape"] = tuple(model.head.weight.shape)
+    try:
+        with model.summon_full_params(rank0_only=True):
+            pass
+        out["rank0_writeback_error"] = None
+    except ValueError as err:
+        out["rank0_writeback_error"] = str(err)
     return out
 
 
@@ -551,13 +572,16 @@ def test_buffers_broadcast_like_ddp_and_batchnorm_under_bf16(habits, strategy):
 
 @pytest.mark.parametrize("strategy", STRATEGY_NAMES)
 def test_summon_full_params_gathers_and_writes_back(habits, strategy):
-    for rank_results in habits:
+    for rank, rank_results in enumerate(habits):
         out = _ok(rank_results, "summon", strategy)
         assert out["outside_shape"] == ((0,) if strategy == "optim_grads_params" else (5, 13))
         assert out["inside_shape"] == (5, 13) and out["inside_diff"] == 0.0
         assert out["norm"] == pytest.approx(out["want_norm"]) and out["norm"] > 0
         assert out["writeback_diff"] == 0.0 and out["discard_diff"] == 0.0
         assert out["forward_diff"] < 1e-6
+        assert out["with_grads_diff"] < 1e-6 and out["offloaded_device"] == "cpu"
+        assert out["rank0_only_shape"] == ((5, 13) if rank == 0 else out["outside_shape"])
+        assert "rank0_only=True needs writeback=False" in out["rank0_writeback_error"]
 
 
 def test_torch_compile_of_the_whole_model_trains_like_ddp():

@@ -643,7 +643,8 @@ def test_backward_averages_across_dp_and_accumulates_across_calls(dp2, strategy)
     """NVIDIA/Megatron-LM tests/unit_tests/distributed/mfsdp_v2/test_fully_shard.py::
     test_backward_averages_across_dp_and_accumulates_across_calls. Linear(1, dp) of ones, input
     rank + 1, two backward() calls: every gradient element is exactly dp + 1 (rtol=atol=0), both
-    with two synchronising backwards and with both inside no_sync followed by finish_grad_sync."""
+    with two synchronising backwards and with both inside no_sync followed by
+    wait_gradient_reduction()."""
     _check(dp2, "backward_averages_across_dp_and_accumulates_across_calls", strategy)
 
 

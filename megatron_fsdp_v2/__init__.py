@@ -6,19 +6,23 @@ demand, so the core runs with torch alone.
 
 from .checkpoint import (export_full_state_dict, load_checkpoint, load_optimizer_state_dict, optimizer_state_dict,
                          save_checkpoint)
-from .dcp_format import SafeFileSystemReader
+from .checkpoint_integrity import CheckpointCorruptError, ChecksummedFileSystemWriter
+from .safe_reader import SafeFileSystemReader, UnsafeCheckpointError
 from .fully_shard import FullyShardedModule, fully_shard
 from .summon import summon_full_params
 from .mixed_precision import MixedPrecisionPolicy
 from .strategy import STRATEGIES, STRATEGY_NAMES, ShardingStrategy, get_strategy
 
 __all__ = [
+    "CheckpointCorruptError",
+    "ChecksummedFileSystemWriter",
     "FullyShardedModule",
     "MixedPrecisionPolicy",
     "STRATEGIES",
     "STRATEGY_NAMES",
     "SafeFileSystemReader",
     "ShardingStrategy",
+    "UnsafeCheckpointError",
     "export_full_state_dict",
     "fully_shard",
     "get_strategy",

@@ -6,16 +6,18 @@ Keys are the original module's names and values keep the original shapes, so a c
 like a plain model's: sharded values are ``FlatRangeShard`` (see dcp_format.py, [Note: flat
 ranges as DCP chunks]); replicated ones (no_shard weights, buffers, Adam's ``step``,
 hyperparameters) are plain tensors that DCP writes once. Optimizer keys:
-``state.<param name>.<state key>`` (per-element state is sharded like its parameter) and
+``state.<param name>.<state key>`` (per-element state is sharded like its parameter),
 ``param_groups.<i>.<hyperparameter>`` (numbers, bools, tuples and tensors, stored as tensors, so
-nothing is pickled). ``save_checkpoint`` prefixes them with ``model.`` and ``optimizer.``.
+nothing is pickled) and ``class`` (the optimizer's class name as UTF-8 bytes, so a load into
+another optimizer can name both). ``save_checkpoint`` prefixes them with ``model.`` and
+``optimizer.``. How a save is committed atomically: checkpoint_commit.py; checksums:
+checkpoint_integrity.py; what a load never unpickles: safe_reader.py.
 """
 
 from __future__ import annotations
 
 import math
 import os
-import shutil
 from collections import OrderedDict
 from typing import Optional
 
@@ -23,12 +25,15 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.nn.modules.module import _IncompatibleKeys
 
-from .dcp_format import FlatRangeShard, SafeFileSystemReader, TensorsOnlyLoadPlanner
+from . import checkpoint_commit
+from .checkpoint_integrity import ChecksummedFileSystemWriter, CheckpointCorruptError
+from .collective_errors import gather_reports, raise_on_every_rank, raise_reported
+from .dcp_format import FlatRangeShard
+from .safe_reader import SafeFileSystemReader, TensorsOnlyLoadPlanner, UnsafeCheckpointError
 
 __all__ = ["export_full_state_dict", "load_checkpoint", "load_optimizer_state_dict", "optimizer_state_dict",
            "save_checkpoint"]
@@ -38,7 +43,7 @@ def _sharded_module(model) -> nn.Module:
     """The module ``fully_shard`` wrapped: ``model`` itself or, for a wrapper that holds one as
     ``.module`` (the Megatron adapter), that module."""
     for candidate in (model, getattr(model, "module", None)):
-        if isinstance(candidate, nn.Module) and hasattr(candidate, "_fsdp"):
+        if isinstance(candidate, nn.Module) and hasattr(candidate, "_fsdp_engine"):
             return candidate
     raise TypeError(f"model must be a module wrapped by fully_shard (or a wrapper holding one as .module), "
                     f"got {type(model).__name__}.")
@@ -94,7 +99,7 @@ def _to_local(group, index: int, value: torch.Tensor, key: str) -> torch.Tensor:
 
 
 def _each_param(model):
-    for group in model._fsdp.groups:
+    for group in model._fsdp_engine.groups:
         for index, names in enumerate(group.all_names):
             yield group, index, names
 
@@ -103,16 +108,20 @@ def _describe(value) -> object:
     return tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
 
 
+def _show(keys: list, total: Optional[int] = None) -> str:
+    """At most 20 keys, and how many more there are (of ``total``, default ``len(keys)``)."""
+    total = len(keys) if total is None else total
+    return str(keys[:20]) + (f" and {total - 20} more" if total > 20 else "")
+
+
 def _raise_if_mismatched(what: str, expected: dict, got: dict, aliases: dict, strict: bool = True) -> list:
     """Compare {key: shape}; ``aliases`` maps a tied name to all its names. Returns the missing keys."""
     missing = [k for k in expected if k not in got and not any(a in got for a in aliases.get(k, ()))]
     unexpected = [k for k in got if k not in expected]
     misshaped = [f"{k}: expected {expected[k]}, got {got[k]}" for k in got if k in expected and got[k] != expected[k]]
     if misshaped or (strict and (missing or unexpected)):
-        def show(keys):
-            return str(keys[:20]) + (f" and {len(keys) - 20} more" if len(keys) > 20 else "")
-        raise ValueError(f"{what} does not match the model: missing keys {show(missing)}, "
-                         f"unexpected keys {show(unexpected)}, mis-shaped keys {show(misshaped)}.")
+        raise ValueError(f"{what} does not match the model: missing keys {_show(missing)}, "
+                         f"unexpected keys {_show(unexpected)}, mis-shaped keys {_show(misshaped)}.")
     return missing
 
 
@@ -165,7 +174,7 @@ def load_model_state_dict(model, state_dict: dict, strict: bool = True, assign: 
                 group.main_params[index].copy_(_to_local(group, index, value, key))
             elif key in buffers:
                 buffers[key].copy_(value)
-    model._fsdp.start_param_sync(force_sync=True)
+    model._fsdp_engine.refresh_weights(wait=True)
     return _IncompatibleKeys(missing, [k for k in state_dict if k not in shapes])
 
 
@@ -173,7 +182,7 @@ def load_model_state_dict(model, state_dict: dict, strict: bool = True, assign: 
 def _optimizer_params(model, optimizer) -> list:
     """(position in optimizer.state_dict(), param, name, hyperparameters, group, index) per param."""
     model = _sharded_module(model)
-    where = {id(m): (g, i) for g in model._fsdp.groups for i, m in enumerate(g.main_params)}
+    where = {id(m): (g, i) for g in model._fsdp_engine.groups for i, m in enumerate(g.main_params)}
     name_of = {id(m): n for n, m in model._fsdp_main_params.items()}
     out, foreign = [], 0
     for hparams in optimizer.param_groups:
@@ -247,6 +256,54 @@ def _decode_hparam(tensor: torch.Tensor, current):
     return type(current)(tensor.tolist())
 
 
+CLASS_KEY = "class"
+_CLASS_BYTES = 64       # fixed: DCP needs the same shape on save and load, whatever the two classes are
+
+
+def _encode_class(optimizer) -> torch.Tensor:
+    """The optimizer's class name as UTF-8 in a zero-padded uint8 tensor (a tensor, so nothing is pickled)."""
+    name = bytearray(type(optimizer).__name__.encode()[:_CLASS_BYTES])
+    encoded = torch.zeros(_CLASS_BYTES, dtype=torch.uint8)
+    encoded[:len(name)] = torch.frombuffer(name, dtype=torch.uint8)
+    return encoded
+
+
+def _decode_class(value) -> str:
+    if isinstance(value, torch.Tensor) and value.dtype == torch.uint8 and value.dim() == 1:
+        return bytes(value.tolist()).rstrip(b"\0").decode("utf-8", errors="replace")
+    return "an optimizer it does not name"
+
+
+def _state_keys_needed(optimizer, hparams: dict, p) -> Optional[set]:
+    """The per-parameter state keys ``optimizer.step`` reads once a parameter has state (None:
+    unknown). torch's Adam/AdamW raise ``KeyError: 'step'`` at their first step if a loaded state
+    lacks one; SGD silently restarts momentum."""
+    if isinstance(optimizer, (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)):
+        return set(_fresh_state(optimizer, hparams, p))
+    live = optimizer.state.get(p)
+    return set(live) if live else None
+
+
+def _missing_state(optimizer, params: list, loaded: dict) -> list:
+    """``state.<name>.<key>`` entries ``optimizer`` needs that ``loaded`` ({param name: its loaded
+    state keys}) lacks. A parameter without any loaded state is fine when others have some: it had
+    no gradient before the save, and the optimizer creates its state at its first step."""
+    any_state = any(loaded.values())
+    missing = []
+    for _, p, name, hparams, _, _ in params:
+        needed, have = _state_keys_needed(optimizer, hparams, p), loaded.get(name, set())
+        if needed and (have or not any_state):
+            missing += [f"state.{name}.{key}" for key in sorted(needed - have)]
+    return missing
+
+
+def _optimizer_mismatch(what: str, saved_class: str, optimizer, missing: list, total: int) -> ValueError:
+    return ValueError(f"{what}: the checkpoint's optimizer state was saved by {saved_class} and does not fit "
+                      f"{type(optimizer).__name__}: missing keys {_show(missing, total)} (the optimizer class and "
+                      f"hyperparameters such as momentum or amsgrad decide which state keys exist); build the "
+                      f"optimizer the checkpoint was saved with, or load the model only (optimizer=None).")
+
+
 def optimizer_state_dict(model, optimizer) -> "OrderedDict[str, torch.Tensor]":
     """The optimizer's state for DCP, under parameter names (see the note at the top). ``model``
     and ``optimizer`` may be wrappers (the Megatron adapter, Megatron's optimizers)."""
@@ -264,21 +321,28 @@ def optimizer_state_dict(model, optimizer) -> "OrderedDict[str, torch.Tensor]":
             encoded = None if key == "params" else _encode_hparam(value)
             if encoded is not None:
                 sd[f"param_groups.{i}.{key}"] = encoded
+    sd[CLASS_KEY] = _encode_class(optimizer)
     return sd
 
 
 def load_optimizer_state_dict(model, optimizer, state_dict: dict) -> None:
     """Install a state dict of ``optimizer_state_dict``'s form (filled by ``dcp.load``) through
-    ``optimizer.load_state_dict``. Hyperparameters the optimizer does not have are ignored."""
+    ``optimizer.load_state_dict``. Hyperparameters the optimizer does not have are ignored. State
+    of another optimizer (SGD's into AdamW) raises here, naming both classes and the missing keys,
+    not at the first step."""
     optimizer = _torch_optimizer(optimizer)
-    params = {name: (pos, p, group, index) for pos, p, name, _, group, index in _optimizer_params(model, optimizer)}
+    listed = _optimizer_params(model, optimizer)
+    params = {name: (pos, p, group, index) for pos, p, name, _, group, index in listed}
     packed = optimizer.state_dict()
-    groups, state, unexpected, misshaped = packed["param_groups"], {}, [], []
+    groups, state, unexpected, misshaped, loaded = packed["param_groups"], {}, [], [], {}
     for key, value in state_dict.items():
         kind, _, rest = key.partition(".")
+        if key == CLASS_KEY:
+            continue
         if kind == "state" and "." in rest and rest.rsplit(".", 1)[0] in params:
             name, sub = rest.rsplit(".", 1)
             pos, p, group, index = params[name]
+            loaded.setdefault(name, set()).add(sub)
             if not isinstance(value, torch.Tensor):
                 misshaped.append(f"{key}: expected a tensor, got {type(value).__name__}")
             elif _is_per_element(sub, value.shape, group.shapes[index]):
@@ -297,20 +361,29 @@ def load_optimizer_state_dict(model, optimizer, state_dict: dict) -> None:
     if unexpected or misshaped:
         raise ValueError(f"load_optimizer_state_dict: state_dict does not match the optimizer: unexpected keys "
                          f"{unexpected[:20]}, mis-shaped keys {misshaped[:20]}.")
+    missing = _missing_state(optimizer, listed, loaded)
+    if missing:
+        raise _optimizer_mismatch("load_optimizer_state_dict", _decode_class(state_dict.get(CLASS_KEY)), optimizer,
+                                  missing, len(missing))
     optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
-def _optimizer_targets(model, optimizer, metadata: dict, prefix: str) -> "OrderedDict[str, torch.Tensor]":
-    """Tensors to ``dcp.load`` the checkpoint's optimizer entries into, shaped from its metadata, so
-    any optimizer (and state saved before some parameters had any) loads; existing state is reused."""
+def _optimizer_targets(model, optimizer, metadata: dict, prefix: str) -> tuple:
+    """(tensors to ``dcp.load`` the checkpoint's optimizer entries into, {param name: its state
+    keys in the checkpoint}), shaped from the checkpoint's metadata, so any optimizer (and state
+    saved before some parameters had any) loads; existing state is reused. The optimizer's own
+    class entry is not loaded (only an error message needs it)."""
     optimizer = _torch_optimizer(optimizer)
     params = {name: (p, hparams, group, index) for _, p, name, hparams, group, index in _optimizer_params(model, optimizer)}
     targets: "OrderedDict[str, torch.Tensor]" = OrderedDict()
-    unexpected = []
+    unexpected, loaded = [], {}
     for key, md in metadata.items():
         rest = key[len(prefix):]
+        if rest == CLASS_KEY:
+            continue
         if rest.startswith("state.") and "." in rest[6:] and rest[6:].rsplit(".", 1)[0] in params:
             name, sub = rest[6:].rsplit(".", 1)
+            loaded.setdefault(name, set()).add(sub)
             p, _, group, index = params[name]
             existing = optimizer.state.get(p, {}).get(sub)
             if _is_per_element(sub, md.size, group.shapes[index]):
@@ -331,93 +404,141 @@ def _optimizer_targets(model, optimizer, metadata: dict, prefix: str) -> "Ordere
     if unexpected:
         raise ValueError(f"checkpoint optimizer state does not match the optimizer: unexpected keys {unexpected[:20]} "
                          f"(state of parameters the model lacks, or more param_groups than {len(optimizer.param_groups)}).")
-    return targets
+    return targets, loaded
 
 
 # ---------------------------------------------------------------- atomic save / load, export
-def _fsync_dir(path: str) -> None:
-    try:                           # make the renames durable; some filesystems cannot fsync a directory
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:
-        pass
-
-
-def _checkpoint_dir(path: str) -> str:
-    """``path``, or ``path.old`` when a save died between its two renames (see save_checkpoint)."""
-    for candidate in (path, path + ".old"):
-        if os.path.isdir(candidate):
-            return candidate
-    raise FileNotFoundError(f"no checkpoint at {path!r} (nor {path + '.old'!r} from an interrupted save).")
-
-
 def save_checkpoint(path: "str | os.PathLike", model, optimizer=None) -> None:
-    """Save model (and optimizer) state under ``path`` atomically: every rank writes its shards into
-    ``path.tmp``; only when all succeeded does rank 0 move the old checkpoint to ``path.old``, rename
-    ``path.tmp`` to ``path`` and delete ``path.old``. A save that dies leaves the last good checkpoint
-    at ``path`` (or, between the renames, at ``path.old``, which loads and the next save restores)."""
+    """Save model (and optimizer) state under ``path`` atomically, with a checksum of every file:
+    rank 0 first recovers from any crash of an earlier save, every rank writes its shards into
+    ``path.tmp`` (``.checksums.json`` last), then rank 0 puts ``path.tmp`` in place of ``path``.
+    A crash at any point leaves the newest complete checkpoint loadable (checkpoint_commit.py,
+    [Note: committing a checkpoint directory]). A failure raises on every rank."""
     model = _sharded_module(model)
     path = os.fspath(path)
-    group = model._fsdp.comm.group
+    group = model._fsdp_engine.comm.group
+    leader = dist.get_rank(group) == 0
+    error = None
+    if leader:
+        try:
+            checkpoint_commit.recover(path)
+        except Exception as exc:  # noqa: BLE001 - raised on every rank below
+            error = exc
+    raise_on_every_rank(group, error, f"save_checkpoint({path!r}): recovering from an earlier save")
     sd = OrderedDict((f"model.{k}", v) for k, v in model_state_dict(model).items())
     if optimizer is not None:
         sd.update((f"optimizer.{k}", v) for k, v in optimizer_state_dict(model, optimizer).items())
-    tmp, old = path + ".tmp", path + ".old"
-    leader = dist.get_rank(group) == 0
-    if leader:
-        if not os.path.exists(path) and os.path.isdir(old):
-            os.rename(old, path)
-        shutil.rmtree(tmp, ignore_errors=True)
-    dist.barrier(group=group)
+    tmp = checkpoint_commit.tmp_dir(path)
     try:
-        dcp.save(sd, storage_writer=FileSystemWriter(tmp), process_group=group)
+        dcp.save(sd, storage_writer=ChecksummedFileSystemWriter(tmp), process_group=group)
     except BaseException as exc:
         if leader:                 # DCP raised on every rank, after every rank stopped writing
-            shutil.rmtree(tmp, ignore_errors=True)
+            try:
+                checkpoint_commit.remove(tmp)
+            except OSError:
+                pass               # incomplete (no manifest): the next save's recover deletes it
         if isinstance(exc, CheckpointException):    # a BaseException: `except Exception` would miss it
             raise RuntimeError(f"save_checkpoint: writing {path!r} failed on ranks {sorted(exc.failures)}; the "
                                f"previous checkpoint there is intact. {exc}") from exc
         raise
-    dist.barrier(group=group)
+    error = None
     if leader:
-        _fsync_dir(tmp)
-        if os.path.exists(path):
-            os.rename(path, old)
-        os.rename(tmp, path)
-        _fsync_dir(os.path.dirname(os.path.abspath(path)))
-        shutil.rmtree(old, ignore_errors=True)
-    dist.barrier(group=group)
+        try:
+            checkpoint_commit.commit(path)
+        except Exception as exc:  # noqa: BLE001 - raised on every rank below
+            error = exc
+    raise_on_every_rank(group, error, f"save_checkpoint({path!r}): committing {tmp!r}")
 
 
-def load_checkpoint(path: "str | os.PathLike", model, optimizer=None) -> None:
-    """Load what ``save_checkpoint`` wrote, at any dp size and strategy. Before reading any tensor,
-    the checkpoint's keys and shapes are checked against the model (ValueError naming missing,
-    unexpected and mis-shaped keys)."""
-    model = _sharded_module(model)
-    reader = SafeFileSystemReader(_checkpoint_dir(os.fspath(path)))
-    metadata = reader.read_metadata().state_dict_metadata
-    model_md = {k[6:]: v for k, v in metadata.items() if k.startswith("model.")}
+class _LoadPlan:
+    """What a rank found out about a checkpoint before reading any tensor of it."""
+
+    def __init__(self, directory: str, reader: SafeFileSystemReader, metadata: dict):
+        self.directory, self.reader, self.metadata = directory, reader, metadata
+        self.state_dict: "OrderedDict[str, torch.Tensor]" = OrderedDict()
+        self.missing: list = []          # optimizer state keys the live optimizer needs and the checkpoint lacks
+
+
+def _plan_load(path: str, model, optimizer) -> _LoadPlan:
+    directory = checkpoint_commit.newest_complete(path)
+    reader = SafeFileSystemReader(directory, require_checksums=True)
+    plan = _LoadPlan(directory, reader, reader.read_metadata().state_dict_metadata)
+    model_md = {k[6:]: v for k, v in plan.metadata.items() if k.startswith("model.")}
     if not model_md:
-        raise ValueError(f"checkpoint {os.fspath(path)!r} has no 'model.*' keys, so save_checkpoint did not write it; "
+        raise ValueError(f"checkpoint {directory!r} has no 'model.*' keys, so save_checkpoint did not write it; "
                          f"load a dcp.save(model.state_dict()) checkpoint with dcp.load and model.load_state_dict.")
     shapes, aliases = _model_shapes(model)
     got = {k: tuple(md.size) if isinstance(md, TensorStorageMetadata) else "non-tensor bytes"
            for k, md in model_md.items()}
-    _raise_if_mismatched(f"checkpoint {os.fspath(path)!r}", shapes, got, aliases)
-    sd = OrderedDict((f"model.{k}", v) for k, v in model_state_dict(model).items() if k in model_md)
+    _raise_if_mismatched(f"checkpoint {directory!r}", shapes, got, aliases)
+    plan.state_dict.update((f"model.{k}", v) for k, v in model_state_dict(model).items() if k in model_md)
     if optimizer is not None:
-        optim_md = {k: v for k, v in metadata.items() if k.startswith("optimizer.")}
+        optim_md = {k: v for k, v in plan.metadata.items() if k.startswith("optimizer.")}
         if not optim_md:
-            raise ValueError(f"checkpoint {os.fspath(path)!r} has no optimizer state (no 'optimizer.*' keys); "
+            raise ValueError(f"checkpoint {directory!r} has no optimizer state (no 'optimizer.*' keys); "
                              f"pass optimizer=None to load the model only.")
         bytes_keys = [k for k, md in optim_md.items() if not isinstance(md, TensorStorageMetadata)]
         if bytes_keys:
-            raise ValueError(f"checkpoint optimizer entries {bytes_keys[:20]} are pickled bytes, not tensors.")
-        sd.update(_optimizer_targets(model, optimizer, optim_md, "optimizer."))
-    dcp.load(sd, storage_reader=reader, planner=TensorsOnlyLoadPlanner(), process_group=model._fsdp.comm.group)
+            raise UnsafeCheckpointError(f"checkpoint optimizer entries {bytes_keys[:20]} are pickled bytes, not "
+                                        f"tensors; they are not unpickled.")
+        targets, loaded = _optimizer_targets(model, optimizer, optim_md, "optimizer.")
+        plan.state_dict.update(targets)
+        torch_optimizer = _torch_optimizer(optimizer)
+        plan.missing = _missing_state(torch_optimizer, _optimizer_params(model, torch_optimizer), loaded)
+    return plan
+
+
+def _read_failure(what: str, exc: CheckpointException) -> Exception:
+    """DCP's ``CheckpointException`` (the same on every rank) -> our error, with each failing rank's message."""
+    errors = {rank: failure[0] if isinstance(failure, tuple) else failure
+              for rank, failure in sorted(exc.failures.items())}
+    kinds = {type(e) for e in errors.values()}
+    cls = next((k for k in (UnsafeCheckpointError, CheckpointCorruptError) if k in kinds), RuntimeError)
+    return cls(f"{what} failed on group rank(s) {sorted(errors)}: " + "; ".join(str(e) for e in errors.values()))
+
+
+def _saved_class(plan: _LoadPlan, group) -> str:
+    """The checkpoint's optimizer class name (a 64-byte read by every rank)."""
+    key = f"optimizer.{CLASS_KEY}"
+    if key not in plan.metadata:
+        return "an optimizer it does not name"
+    target = torch.zeros(_CLASS_BYTES, dtype=torch.uint8)
+    dcp.load({key: target}, storage_reader=plan.reader, planner=TensorsOnlyLoadPlanner(), process_group=group)
+    return _decode_class(target)
+
+
+def load_checkpoint(path: "str | os.PathLike", model, optimizer=None) -> None:
+    """Load what ``save_checkpoint`` wrote, at any dp size and strategy: the newest complete
+    checkpoint at ``path`` (after a crashed save, possibly ``path.tmp`` or ``path.old``; see
+    checkpoint_commit.py). Before any tensor is read, every rank checks the checkpoint's keys and
+    shapes against the model (ValueError naming missing, unexpected and mis-shaped keys), its
+    optimizer state keys against the optimizer (naming both classes), and the size and sha256 of
+    every file it reads (``CheckpointCorruptError`` naming the file and the rank that found it).
+    Nothing is unpickled outside torch's weights-only allow-list. Any failure raises on every rank."""
+    model = _sharded_module(model)
+    path = os.fspath(path)
+    group = model._fsdp_engine.comm.group
+    what = f"load_checkpoint({path!r})"
+    plan, error = None, None
+    try:
+        plan = _plan_load(path, model, optimizer)
+    except Exception as exc:  # noqa: BLE001 - raised on every rank below
+        error = exc
+    reports = gather_reports(group, error, None if plan is None else (plan.directory, plan.missing[:20],
+                                                                      len(plan.missing)))
+    raise_reported(reports, error, what)
+    directories = [extra[0] for _, extra in reports]
+    if len(set(directories)) > 1:
+        raise RuntimeError(f"{what}: the ranks see different newest checkpoints (by group rank: {directories}); is "
+                           f"another job saving there?")
+    shown, total = next(((extra[1], extra[2]) for _, extra in reports if extra[2]), ([], 0))
+    try:
+        if total:
+            raise _optimizer_mismatch(what, _saved_class(plan, group), _torch_optimizer(optimizer), shown, total)
+        dcp.load(plan.state_dict, storage_reader=plan.reader, planner=TensorsOnlyLoadPlanner(), process_group=group)
+    except CheckpointException as exc:              # a BaseException, raised on every rank
+        raise _read_failure(f"{what}: reading {plan.directory!r}", exc) from exc
+    sd = plan.state_dict
     model.load_state_dict(OrderedDict((k[6:], v) for k, v in sd.items() if k.startswith("model.")), strict=False)
     if optimizer is not None:
         load_optimizer_state_dict(model, optimizer,
@@ -429,12 +550,12 @@ def export_full_state_dict(model, path: "str | os.PathLike", rank: int = 0) -> N
     one ``torch.save`` file from ``rank``, for export or inference; ``torch.load(weights_only=True)``
     reads it. Gathers one group at a time; other ranks drop each gathered group at once."""
     model = _sharded_module(model)
-    comm = model._fsdp.comm
+    comm = model._fsdp_engine.comm
     if not isinstance(rank, int) or not 0 <= rank < comm.size:
         raise ValueError(f"rank must be a data-parallel rank in [0, {comm.size}), got {rank!r}.")
     writer = comm.rank == rank
     full: dict = {}
-    for group in model._fsdp.groups:
+    for group in model._fsdp_engine.groups:
         full_main = group.gather_full_main()
         if writer:
             for index, names in enumerate(group.all_names):

@@ -1,5 +1,5 @@
-"""How one rank's piece of a flat-sharded tensor looks to torch.distributed.checkpoint (DCP), and
-how DCP files are read without unpickling arbitrary objects. Pure torch: no engine here.
+"""How one rank's piece of a flat-sharded tensor looks to torch.distributed.checkpoint (DCP). Pure
+torch: no engine here. (Reading DCP files safely: safe_reader.py; checksums: checkpoint_integrity.py.)
 
 [Note: flat ranges as DCP chunks]
 A rank's main-weight shard of a parameter is a contiguous range of the parameter's row-major
@@ -14,25 +14,17 @@ box to DCP as one chunk of the full tensor (DCP's ``_Checkpointable`` protocol):
 
 Each rank writes only its boxes; nobody gathers. A load at another dp size or strategy declares
 other boxes and DCP reads the overlapping parts of the saved ones (resharding).
-
-DCP pickles its ``.metadata`` file and unpickles non-tensor values with ``weights_only=False``.
-``SafeFileSystemReader`` reads the metadata through an allowlist of DCP's own types and
-``TensorsOnlyLoadPlanner`` refuses pickled values, so loading a checkpoint cannot run code.
 """
 
 from __future__ import annotations
 
 import math
-import pickle
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta,
-                                                   TensorProperties)
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-__all__ = ["FlatRangeShard", "SafeFileSystemReader", "TensorsOnlyLoadPlanner", "flat_range_boxes"]
+__all__ = ["FlatRangeShard", "flat_range_boxes"]
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]   # (offsets, sizes) inside the full tensor
 
@@ -124,43 +116,3 @@ class FlatRangeShard(torch.Tensor):
 
 _LOCAL_OPS = {torch.ops.aten.detach.default, torch.ops.aten.alias.default, torch.ops.aten.clone.default,
               torch.ops.aten._to_copy.default}
-
-
-# ---------------------------------------------------------------- safe reading
-_ALLOWED_GLOBALS = {("torch.distributed.checkpoint.metadata", name) for name in (
-    "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
-    "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")} | {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-    ("torch.serialization", "_get_layout"), ("collections", "OrderedDict")} | {
-    (module, cls) for module in ("pathlib", "pathlib._local")
-    for cls in ("Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str):
-        if (module, name) in _ALLOWED_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}; only DCP metadata classes, "
-                                     f"torch.Size, torch dtypes and paths are allowed, so it is not unpickled.")
-
-
-class SafeFileSystemReader(FileSystemReader):
-    """``FileSystemReader`` whose ``.metadata`` is unpickled through an allowlist of DCP's metadata
-    types: ``dcp.load(sd, storage_reader=SafeFileSystemReader(path))`` cannot run code from a file."""
-
-    def read_metadata(self, *args, **kwargs) -> Metadata:
-        with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as stream:
-            metadata = _MetadataUnpickler(stream).load()
-        if not isinstance(metadata, Metadata):
-            raise ValueError(f"checkpoint metadata must be a DCP Metadata, got {type(metadata).__name__}.")
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-class TensorsOnlyLoadPlanner(DefaultLoadPlanner):
-    """DCP unpickles non-tensor values with ``torch.load(weights_only=False)``; we never read any."""
-
-    def load_bytes(self, read_item, value) -> None:
-        raise ValueError(f"checkpoint stores {read_item.dest_index.fqn!r} as pickled bytes; only tensors are loaded.")

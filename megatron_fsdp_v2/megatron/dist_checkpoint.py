@@ -29,7 +29,8 @@ are stacked under one key (``decoder.layers.mlp.linear_fc1.weight``, global shap
   tensor another strategy loads there (and lists of boxes would have to have equal lengths);
 * a replicated tensor (``no_shard`` weights, buffers, Adam's ``step``) -> one ShardedTensor with
   ``replica_id`` = data-parallel rank, so rank 0 writes it; 0-d tensors travel as shape ``(1,)``;
-* optimizer hyperparameters -> common state (rank 0's ``common.pt``), as Megatron stores its own.
+* optimizer hyperparameters and the optimizer's class name -> common state (rank 0's
+  ``common.pt``), as Megatron stores its own.
 
 Megatron's ``_extra_state`` objects are passed through and tied aliases it leaves out
 (``output_layer.weight``) are left out, so a model checkpoint has exactly Megatron DDP's keys and
@@ -43,6 +44,7 @@ this rank's ``FlatRangeShard`` and the core's loaders copy it into place.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -54,11 +56,13 @@ import torch
 
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
-from ..checkpoint import load_optimizer_state_dict, optimizer_state_dict
+from ..checkpoint import CLASS_KEY, load_optimizer_state_dict, optimizer_state_dict
 from ..dcp_format import FlatRangeShard
+from ..safe_reader import SafeFileSystemReader
 
 __all__ = ["FORMAT_KEY", "Placement", "ShardedModelCheckpoint", "ShardedOptimizerCheckpoint", "from_loaded",
-           "install_model_checkpointing", "install_optimizer_checkpointing", "load_dist_checkpoint", "MegatronLayout", "megatron_layout", "model_sharded_state_dict",
+           "install_model_checkpointing", "install_optimizer_checkpointing", "load_dist_checkpoint",
+           "safe_dcp_reading", "MegatronLayout", "megatron_layout", "model_sharded_state_dict",
            "model_values_from_loaded", "save_dist_checkpoint", "to_sharded"]
 
 logger = logging.getLogger(__name__)
@@ -287,9 +291,9 @@ class ShardedOptimizerCheckpoint:
         if is_loading:      # dist_checkpointing.load fills these tensors in place: load_state_dict installs them
             self._fsdp_v2_loading_template = values
         state = _drop_empty({k: to_sharded(f"optimizer.{k}", v, self._fsdp_v2_dp_rank)
-                             for k, v in values.items() if not k.startswith("param_groups.")})
+                             for k, v in values.items() if k.startswith("state.")})
         groups = {k: v for k, v in values.items() if k.startswith("param_groups.")}
-        out = {FORMAT_KEY: FORMAT_VERSION, "state": state, "param_groups": groups}
+        out = {FORMAT_KEY: FORMAT_VERSION, "state": state, "param_groups": groups, CLASS_KEY: values[CLASS_KEY]}
         if getattr(self, "grad_scaler", None) is not None:
             out["grad_scaler"] = self.grad_scaler.state_dict()
         return out
@@ -304,6 +308,7 @@ class ShardedOptimizerCheckpoint:
         templates = (self.__dict__.pop("_fsdp_v2_loading_template", None)
                      or optimizer_state_dict(self._fsdp_v2_model, self.optimizer))
         loaded_state, loaded_groups = state_dict.get("state", {}), state_dict.get("param_groups", {})
+        templates.pop(CLASS_KEY, None)      # common state; absent from checkpoints saved before it was
         missing = [k for k, t in templates.items()
                    if k not in loaded_state and k not in loaded_groups and not holds_nothing(t)]
         unexpected = [k for k in loaded_state if k not in templates]
@@ -313,6 +318,8 @@ class ShardedOptimizerCheckpoint:
         values = OrderedDict(
             (k, loaded_groups[k] if k.startswith("param_groups.") else from_loaded(k, t, loaded_state.get(k, {})))
             for k, t in templates.items())
+        if isinstance(state_dict.get(CLASS_KEY), torch.Tensor):
+            values[CLASS_KEY] = state_dict[CLASS_KEY]
         load_optimizer_state_dict(self._fsdp_v2_model, self.optimizer, values)
         if getattr(self, "grad_scaler", None) is not None and "grad_scaler" in state_dict:
             self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
@@ -359,16 +366,48 @@ def save_dist_checkpoint(path: "str | os.PathLike", model, optimizer=None) -> No
     dist_checkpointing.save(state, path)
 
 
+@contextlib.contextmanager
+def safe_dcp_reading():
+    """Within it, Megatron's ``dist_checkpointing`` reads DCP files through ``SafeFileSystemReader``
+    (safe_reader.py): its own reader unpickles ``.metadata`` with plain pickle, and its common state
+    and ShardedObjects (DCP byte entries) with ``torch.load(weights_only=False)``, both through the
+    reader its ``_get_filesystem_reader`` returns (megatron-core 0.19). Megatron's common state holds
+    only tensors, numbers, strings and containers here, which torch's weights-only allow-list
+    accepts. (Megatron-LM's own ``load_checkpoint`` stores argparse arguments and RNG states there,
+    which it does not.)"""
+    from megatron.core.dist_checkpointing import serialization
+    from megatron.core.dist_checkpointing.strategies import torch as torch_strategy
+
+    def safe_reader(checkpoint_dir, cache_metadata: bool = False, async_strategy: str = "mcore"):
+        return SafeFileSystemReader(checkpoint_dir)
+
+    modules = [m for m in (serialization, torch_strategy) if hasattr(m, "_get_filesystem_reader")]
+    if torch_strategy not in modules:
+        raise RuntimeError("megatron.core.dist_checkpointing.strategies.torch has no _get_filesystem_reader (a "
+                           "megatron-core other than 0.19?), so its reader cannot be made safe; not loading.")
+    saved = [m._get_filesystem_reader for m in modules]
+    for module in modules:
+        module._get_filesystem_reader = safe_reader
+    try:
+        yield
+    finally:
+        for module, original in zip(modules, saved):
+            module._get_filesystem_reader = original
+
+
 def load_dist_checkpoint(path: "str | os.PathLike", model, optimizer=None) -> None:
     """Load what ``save_dist_checkpoint`` (or Megatron-LM, or Megatron's DDP for the model part)
-    wrote, at any data-parallel size and strategy."""
+    wrote, at any data-parallel size and strategy. Files are read through
+    ``SafeFileSystemReader`` (``safe_dcp_reading``), so nothing outside torch's weights-only
+    allow-list is unpickled."""
     from megatron.core import dist_checkpointing
 
     model_sd = model.sharded_state_dict()
     state = {"model": model_sd}
     if optimizer is not None:
         state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=True)
-    loaded = dist_checkpointing.load(state, os.fspath(path))
+    with safe_dcp_reading():
+        loaded = dist_checkpointing.load(state, os.fspath(path))
     model.load_state_dict(loaded["model"])
     if optimizer is not None:
         optimizer.load_state_dict(loaded["optimizer"])

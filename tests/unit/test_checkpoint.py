@@ -13,9 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed.checkpoint import FileSystemWriter
 
-from megatron_fsdp_v2 import (STRATEGY_NAMES, MixedPrecisionPolicy, SafeFileSystemReader, export_full_state_dict,
-                              fully_shard, load_checkpoint, load_optimizer_state_dict, optimizer_state_dict,
-                              save_checkpoint)
+from megatron_fsdp_v2 import (STRATEGY_NAMES, ChecksummedFileSystemWriter, MixedPrecisionPolicy, SafeFileSystemReader,
+                              export_full_state_dict, fully_shard, load_checkpoint, load_optimizer_state_dict,
+                              optimizer_state_dict, save_checkpoint)
 from megatron_fsdp_v2.dcp_format import flat_range_boxes
 
 from .dist_utils import run_distributed
@@ -284,11 +284,12 @@ def _errors_worker(rank, world, root):
         model.load_state_dict({"bogus": torch.zeros(3)})
     messages["load_state_dict"] = str(info.value)
 
-    tripwire = _Tripwire(f"{root}/{TRIPWIRE}")     # pickled objects where tensors belong
+    tripwire = _Tripwire(f"{root}/{TRIPWIRE}")     # pickled objects where tensors belong, checksums intact
     sd = {f"model.{k}": v for k, v in model.state_dict().items()}
-    dcp.save({**sd, "model.offset": tripwire}, checkpoint_id=f"{root}/evil_model")
+    dcp.save({**sd, "model.offset": tripwire}, storage_writer=ChecksummedFileSystemWriter(f"{root}/evil_model"))
     optim_sd = {f"optimizer.{k}": v for k, v in optimizer_state_dict(model, opt).items()}
-    dcp.save({**sd, **optim_sd, "optimizer.param_groups.0.lr": tripwire}, checkpoint_id=f"{root}/evil_optimizer")
+    dcp.save({**sd, **optim_sd, "optimizer.param_groups.0.lr": tripwire},
+             storage_writer=ChecksummedFileSystemWriter(f"{root}/evil_optimizer"))
     for label, optimizer in (("evil_model", None), ("evil_optimizer", opt)):
         with pytest.raises(ValueError) as info:
             load_checkpoint(f"{root}/{label}", model, optimizer)

@@ -27,8 +27,9 @@ PACKAGE = pathlib.Path(megatron_fsdp_v2.__file__).parent
 ADAPTER = PACKAGE / "megatron"
 
 # Underscore names the adapter may touch: namedtuple API, and attributes the adapter itself puts
-# on Megatron's (not the core's) objects.
-_NOT_CORE = {"_replace", "_asdict", "_fields", "_fsdp_v2_model", "_fsdp_v2_dp_rank"}
+# on Megatron's (not the core's) objects (``_get_filesystem_reader``: Megatron's reader factory,
+# which dist_checkpoint.safe_dcp_reading replaces while it loads).
+_NOT_CORE = {"_replace", "_asdict", "_fields", "_fsdp_v2_model", "_fsdp_v2_dp_rank", "_get_filesystem_reader"}
 
 
 def _underscore_reads(path: pathlib.Path) -> list[str]:

@@ -78,6 +78,7 @@ def main() -> None:
 
     def record(label, seconds):
         times.setdefault(label, []).append(round(seconds, 3))
+        print(f"{label}: {seconds:.3f} s", flush=True)
 
     try:
         for _ in range(args.reps):

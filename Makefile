@@ -18,7 +18,7 @@ $(VENV)/.installed: setup.py
 venv: $(VENV)/.installed
 
 demo: venv
-	$(PY) -m megatron_fsdp_v2.megatron.demo --nproc $(NPROC)
+	$(PY) examples/megatron_demo.py --nproc $(NPROC)
 
 test: venv
 	$(PY) -m pytest -q tests

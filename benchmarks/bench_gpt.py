@@ -15,7 +15,8 @@ A step is forward + backward of one micro-batch, the optimizer step and ``zero_g
 per system: median step time over ``--steps`` timed steps (after ``--warmup`` untimed ones),
 tokens/s, peak ``torch.cuda.max_memory_allocated`` during training, and the memory a rank keeps
 between steps (after ``optimizer.step()``, and after ``zero_grad``) next to the ZeRO formula.
-See docs/benchmarks.md.
+Results go to benchmarks/results/<today>/ by default (--out / --json / --png); that directory's
+README.md should give the command of each file. See docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import logging
 import math
 import os
 import platform
+import shlex
 import statistics
 import sys
 import time
@@ -38,6 +40,7 @@ from typing import Any, Dict, List, Optional
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
+RESULTS = HERE / "results"              # run outputs, one directory per date (docs/ holds prose only)
 for _path in (REPO, HERE):              # megatron_fsdp_v2 from this checkout; sibling modules
     if str(_path) not in sys.path:      # also when imported as a module, not run as a script
         sys.path.insert(0, str(_path))
@@ -215,6 +218,7 @@ def results_markdown(meta: Dict[str, Any], results: List[Dict[str, Any]]) -> str
         "",
         f"- mode: {mode}; device: {meta['device_name']}",
         f"- torch {meta['torch']}, megatron-core {meta['megatron_core']}, python {meta['python']}; {meta['date']}",
+        *([f"- command: `{meta['command']}`"] if meta.get("command") else []),
         f"- step = forward + backward (one micro-batch) + optimizer step + zero_grad; median of {meta['steps']} "
         f"steps after {meta['warmup']} warm-up steps; tokens/s = {meta['micro_batch']}x{meta['seq']}"
         f"{'x' + str(meta['real_world']) if meta['real_world'] > 1 else ''} / median step",
@@ -297,12 +301,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "remaining systems are skipped (reported as such), e.g. 540 under a 600 s limit (default 0 = none)")
     g.add_argument("--verbose", action="store_true", help="keep Megatron's log messages and warnings")
     g = p.add_argument_group("output (rank 0 only)")
-    g.add_argument("--out", default=None, help="markdown table (default docs/benchmarks_results<SUFFIX>.md, SUFFIX = "
-                   "'' / _fake<N> / _<N>gpu by mode; '' = do not write)")
-    g.add_argument("--json", default=None, help="JSON results for plot.py (default docs/benchmarks_results<SUFFIX>.json; "
-                   "'' = skip)")
-    g.add_argument("--png", default=None, help="bar chart (default docs/benchmarks<SUFFIX>.png; needs matplotlib; "
-                   "'' = skip)")
+    g.add_argument("--out", default=None, help="markdown table (default benchmarks/results/<today>/"
+                   "benchmarks_results<SUFFIX>.md, SUFFIX = '' / _fake<N> / _<N>gpu by mode; '' = do not write)")
+    g.add_argument("--json", default=None, help="JSON results for plot.py (default benchmarks/results/<today>/"
+                   "benchmarks_results<SUFFIX>.json; '' = skip)")
+    g.add_argument("--png", default=None, help="bar chart (default benchmarks/results/<today>/benchmarks<SUFFIX>.png; "
+                   "needs matplotlib; '' = skip)")
     args = p.parse_args(argv)
 
     small = dict(layers=2, hidden=256, heads=4, seq=256, micro_batch=2, vocab=4096, steps=20, warmup=3)
@@ -318,12 +322,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--hidden must be divisible by --heads")
     suffix = (f"_fake{args.fake_world_size}" if args.fake_world_size
               else f"_{args.nproc}gpu" if args.nproc > 1 else "")
+    results_dir = RESULTS / datetime.date.today().isoformat()
     if args.out is None:
-        args.out = f"docs/benchmarks_results{suffix}.md"
+        args.out = str(results_dir / f"benchmarks_results{suffix}.md")
     if args.json is None:
-        args.json = f"docs/benchmarks_results{suffix}.json"
+        args.json = str(results_dir / f"benchmarks_results{suffix}.json")
     if args.png is None:
-        args.png = f"docs/benchmarks{suffix}.png"
+        args.png = str(results_dir / f"benchmarks{suffix}.png")
     return args
 
 
@@ -428,6 +433,7 @@ def main(argv=None) -> int:
             device_name=(torch.cuda.get_device_name(ctx.device) if ctx.is_cuda else platform.processor() or "cpu"),
             torch=torch.__version__, megatron_core=mcore_version, python=platform.python_version(),
             date=datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), systems=[s.name for s in systems],
+            command=" ".join(["python", *map(shlex.quote, sys.argv)]),
             notes=[],
         )
         ctx.log(f"GPTModel {ctx.num_params / 1e6:.1f}M params; {len(systems)} systems; world {ctx.world}"

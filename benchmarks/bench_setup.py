@@ -87,7 +87,7 @@ def init_megatron(ctx: Ctx, stack: contextlib.ExitStack) -> None:
     if not ctx.is_cuda:
         # Megatron hard-codes CUDA in a few places a GPTModel forward runs through (RNG tracker,
         # attention's global buffer): the test harness patches exactly those, CPU runs only.
-        from megatron_fsdp_v2.megatron.cpu_compat import patch_megatron_for_cpu
+        from testing.cpu_compat import patch_megatron_for_cpu   # the checkout's testing/ (bench_gpt.py's sys.path)
 
         stack.enter_context(patch_megatron_for_cpu())
     ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
@@ -143,7 +143,7 @@ def build_gpt(ctx: Ctx, params_dtype: torch.dtype, bf16: bool = True):
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_fsdp_v2.megatron.cpu_compat import UNFUSED_KERNELS
+    from testing.cpu_compat import UNFUSED_KERNELS
 
     a = ctx.args
     config = TransformerConfig(

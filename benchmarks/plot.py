@@ -4,8 +4,8 @@
 matplotlib is usually missing on the GPU box, so bench_gpt.py skips the PNG there; copy the JSON
 back and run this anywhere matplotlib is installed::
 
-    python benchmarks/plot.py docs/benchmarks_results.json [docs/benchmarks_results_fake8.json] \
-        --png docs/benchmarks.png
+    python benchmarks/plot.py benchmarks/results/DATE/benchmarks_results.json \
+        [benchmarks/results/DATE/benchmarks_results_fake8.json] --png benchmarks/results/DATE/benchmarks.png
 
 One row of panels per JSON file: median step time, peak memory, and the memory a rank keeps
 between steps next to the ZeRO formula (outlined bars). Systems that failed (OOM / error /
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any, Dict, List
 
@@ -87,8 +88,10 @@ def make_png(runs: List[Dict[str, Any]], path: str) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="Plot bench_gpt.py JSON results.")
     p.add_argument("json", nargs="+", help="results JSON file(s) from bench_gpt.py --json")
-    p.add_argument("--png", default="docs/benchmarks.png")
+    p.add_argument("--png", default=None, help="output PNG (default: benchmarks.png next to the first JSON)")
     args = p.parse_args(argv)
+    if args.png is None:
+        args.png = os.path.join(os.path.dirname(args.json[0]), "benchmarks.png")
     runs = []
     for path in args.json:
         with open(path) as f:

@@ -3,15 +3,15 @@
 1. ``get_megatron_optimizer`` path + our ``FullyShardedDataParallel``: a bf16 GPT of a few hundred
    million parameters, 20 iterations per strategy, against Megatron's own DDP + distributed
    optimizer; every iteration's loss must be within 1%.
-2. Megatron's own training loop: ``python -m megatron_fsdp_v2.megatron.pretrain_gpt`` end to end
-   for each ``--data-parallel-sharding-strategy`` value.
+2. Megatron's own training loop: the launcher ``examples/pretrain_gpt.py`` end to end (under
+   ``torchrun``) for each ``--data-parallel-sharding-strategy`` value.
 
 Run on a GPU node (one process here; ``torchrun --nproc-per-node N`` for N GPUs)::
 
     python benchmarks/validate_megatron.py [--skip-launcher]
 
 The model, data and training loop come from ``tests/functional/harness.py`` so the validation and
-the functional suite train the same way.
+the functional suite train the same way. What it checks and recorded results: docs/validation.md.
 """
 
 from __future__ import annotations
@@ -27,7 +27,11 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")   # harness turns de
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+LAUNCHER = os.path.join(REPO, "examples", "pretrain_gpt.py")
+# the launcher runs as a script (sys.path[0] = examples/): give it this checkout's megatron_fsdp_v2
+LAUNCHER_ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
 
 from tests.functional import harness  # noqa: E402
 
@@ -95,10 +99,10 @@ def run_launcher(nproc: int) -> bool:
     ok = True
     for strategy in STRATEGIES:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-port=29577",
-               "-m", "megatron_fsdp_v2.megatron.pretrain_gpt", "--data-parallel-sharding-strategy", strategy,
+               LAUNCHER, "--data-parallel-sharding-strategy", strategy,
                *LAUNCHER_ARGS.split()]
         t0 = time.perf_counter()
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=LAUNCHER_ENV)
         lines = [l for l in (proc.stdout + proc.stderr).splitlines() if "lm loss" in l or "iteration" in l]
         print(f"pretrain_gpt --data-parallel-sharding-strategy {strategy}: exit {proc.returncode} "
               f"({time.perf_counter() - t0:.1f} s)")

@@ -1,5 +1,5 @@
 """GPU validation of Megatron-LM's checkpointing with our wrapper: ``--save`` / ``--load``
-(``--ckpt-format torch_dist``) through ``python -m megatron_fsdp_v2.megatron.pretrain_gpt``.
+(``--ckpt-format torch_dist``) through the launcher ``examples/pretrain_gpt.py`` (under ``torchrun``).
 
 For every (saved strategy S, loaded strategy T) pair of ``--pairs``:
 
@@ -19,6 +19,8 @@ state would be.
 Usage (on a GPU node)::
 
     python benchmarks/validate_megatron_checkpoint.py [--nproc-save N --nproc-load M]
+
+Recorded results: docs/validation.md.
 """
 
 from __future__ import annotations
@@ -32,6 +34,11 @@ import sys
 import tempfile
 import time
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LAUNCHER = os.path.join(REPO, "examples", "pretrain_gpt.py")
+# the launcher runs as a script (sys.path[0] = examples/): give it this checkout's megatron_fsdp_v2
+LAUNCHER_ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
+
 MODEL_ARGS = ("--num-layers 2 --hidden-size 256 --num-attention-heads 4 --seq-length 256 "
               "--max-position-embeddings 256 --micro-batch-size 2 --global-batch-size 16 "
               "--lr 1e-3 --min-lr 1e-3 --lr-decay-style constant --bf16 --vocab-size 4096 --mock-data "
@@ -43,10 +50,10 @@ LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ .*?lm loss: ([0-9.E+-]+)")
 
 def pretrain(strategy: str, nproc: int, iters: int, extra: list, port: int) -> tuple:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={port}",
-           "-m", "megatron_fsdp_v2.megatron.pretrain_gpt", "--data-parallel-sharding-strategy", strategy,
+           LAUNCHER, "--data-parallel-sharding-strategy", strategy,
            "--train-iters", str(iters), *MODEL_ARGS.split(), *extra]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=LAUNCHER_ENV)
     out = proc.stdout + proc.stderr
     losses = {int(m.group(1)): float(m.group(2)) for m in LOSS.finditer(out)}
     if proc.returncode != 0:

@@ -6,8 +6,8 @@ Megatron's own ``get_forward_backward_func()`` schedule and ``finalize_model_gra
 Megatron hard-codes CUDA in a few places.  ``patch_megatron_for_cpu()`` patches exactly those,
 and only inside Megatron modules (never ``torch.cuda`` itself and never package code), so code
 under test that hard-codes CUDA still fails on CPU.  See ``patch_megatron_for_cpu`` for the list;
-the patches and the parallel-state helpers live in ``megatron_fsdp_v2/megatron/cpu_compat.py``
-(shared with ``make demo``, never used by the library itself) and are re-exported here.
+the patches and the parallel-state helpers live in ``testing/cpu_compat.py``
+(checkout scaffolding shared with ``make demo``, not installed) and are re-exported here.
 
 Typical use (inside a worker started by ``run_distributed``)::
 
@@ -56,10 +56,10 @@ __all__ = [
 
 
 # ---------------------------------------------------------------------------------------------
-# CPU patches and parallel state: shared with the demo, see megatron_fsdp_v2/megatron/cpu_compat.py
+# CPU patches and parallel state: shared with the demo, see testing/cpu_compat.py
 # ---------------------------------------------------------------------------------------------
 
-from megatron_fsdp_v2.megatron.cpu_compat import (  # noqa: E402  (re-exported)
+from testing.cpu_compat import (  # noqa: E402  (re-exported)
     UNFUSED_KERNELS,
     cpu_model_parallel_manual_seed,
     destroy_megatron_parallel_state,

@@ -9,11 +9,11 @@
 * ``dist_checkpoint``: Megatron's ``dist_checkpointing`` (``--ckpt-format torch_dist``) for both:
   ``wrapper.sharded_state_dict()`` / ``optimizer.sharded_state_dict()`` and their ``load_state_dict``;
   ``save_dist_checkpoint`` / ``load_dist_checkpoint`` do both in one call.
-* ``python -m megatron_fsdp_v2.megatron.pretrain_gpt <megatron args>``: Megatron-LM GPT pretraining
-  (mock data) with our wrapper as the data-parallel class (GPU).
-* ``cpu_compat``: CPU patches for Megatron, for the demo and the tests only.
 
-Names are resolved lazily so ``megatron_fsdp_v2.megatron.cpu_compat`` can be imported on its own.
+Not here (not installed): the Megatron-LM launcher ``examples/pretrain_gpt.py``, the CPU demo
+``examples/megatron_demo.py`` and the CPU patches for the demo and the tests ``testing/cpu_compat.py``.
+
+Names are resolved lazily: importing this package does not import megatron.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import importlib
 
 _EXPORTS = {
     "FullyShardedDataParallel": "adapter",
-    "MainWeightsBuffer": "adapter",
+    "WeightRefreshForMegatronOptimizer": "adapter",
     "ORIGINAL_SHAPE_ATTR": "adapter",
     "get_optimizer": "optimizer",
     "install_optimizer_checkpointing": "dist_checkpoint",

@@ -12,7 +12,7 @@ tests only compare numbers after they have been gathered to every rank, so an as
 ranks at once instead of leaving the others waiting in a collective.
 
 CPU smoke mode (``FUNCTIONAL_CPU_SMOKE=1``, for developing the suite without a GPU): gloo, fp32, a
-tiny GPT, 3 iterations, Megatron's CUDA-only spots patched by ``megatron_fsdp_v2.megatron.cpu_compat``.
+tiny GPT, 3 iterations, Megatron's CUDA-only spots patched by ``testing/cpu_compat.py``.
 It checks the plumbing of the tests, not the GPU claims (the CUDA-memory and golden checks skip).
 """
 
@@ -182,9 +182,8 @@ def setup_world() -> World:
         _TEARDOWN.callback(dist.destroy_process_group)
 
     if smoke:
-        from megatron_fsdp_v2.megatron.cpu_compat import (destroy_megatron_parallel_state,
-                                                          init_megatron_parallel_state,
-                                                          patch_megatron_for_cpu)
+        from testing.cpu_compat import (destroy_megatron_parallel_state, init_megatron_parallel_state,
+                                        patch_megatron_for_cpu)
 
         _TEARDOWN.enter_context(patch_megatron_for_cpu())
         init_megatron_parallel_state(dist.get_world_size())
@@ -260,7 +259,7 @@ def reseed(seed: int) -> None:
     """Same initial weights and RNG-tracker states for every run."""
     torch.manual_seed(seed)
     if smoke_mode():
-        from megatron_fsdp_v2.megatron.cpu_compat import cpu_model_parallel_manual_seed
+        from testing.cpu_compat import cpu_model_parallel_manual_seed
 
         cpu_model_parallel_manual_seed(seed)
     else:
@@ -277,7 +276,7 @@ def reseed(seed: int) -> None:
 def transformer_config(spec: GPTSpec):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_fsdp_v2.megatron.cpu_compat import UNFUSED_KERNELS
+    from testing.cpu_compat import UNFUSED_KERNELS
 
     dtype = torch.bfloat16 if spec.bf16 else torch.float32
     return TransformerConfig(

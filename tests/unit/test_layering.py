@@ -19,7 +19,7 @@ def test_core_modules_do_not_import_megatron():
 
 
 def test_core_sources_never_mention_a_megatron_import():
-    """Lazy imports inside functions count too: the demo and anything Megatron live in megatron/."""
+    """Lazy imports inside functions count too: anything Megatron lives in megatron/."""
     import pathlib
     import re
 
@@ -27,4 +27,31 @@ def test_core_sources_never_mention_a_megatron_import():
     pattern = re.compile(r"^\s*(from\s+megatron(\.|\s)|import\s+megatron(\.|\s|$)|from\s+\.+megatron\b)", re.M)
     offenders = [str(p.relative_to(root)) for p in root.rglob("*.py")
                  if "megatron" not in p.relative_to(root).parts[:-1] and pattern.search(p.read_text())]
+    assert offenders == []
+
+
+def test_scaffolding_stays_out_of_the_installed_package(monkeypatch):
+    """The CPU patches (testing/), the demo and the launcher (examples/) are not library code: setup.py
+    does not install them and no library module imports them."""
+    import pathlib
+    import re
+    import runpy
+
+    import setuptools
+
+    root = pathlib.Path(megatron_fsdp_v2.__file__).parent
+    repo = root.parent
+    setup_kwargs = {}
+    monkeypatch.setattr(setuptools, "setup", lambda **kwargs: setup_kwargs.update(kwargs))
+    monkeypatch.chdir(repo)                  # setup.py's find_packages() searches the working directory
+    runpy.run_path(str(repo / "setup.py"))
+    installed = setup_kwargs["packages"]
+    assert "megatron_fsdp_v2.megatron" in installed
+    assert not [name for name in installed if name.split(".")[0] in ("testing", "examples", "tests")]
+    assert (repo / "testing" / "cpu_compat.py").is_file()
+    assert (repo / "examples" / "megatron_demo.py").is_file() and (repo / "examples" / "pretrain_gpt.py").is_file()
+    modules = {p.stem for p in root.rglob("*.py")}
+    assert not modules & {"cpu_compat", "demo", "pretrain_gpt"}, modules
+    pattern = re.compile(r"^\s*(from|import)\s+(testing|examples|tests)(\.|\s|$)", re.M)
+    offenders = [str(p.relative_to(root)) for p in root.rglob("*.py") if pattern.search(p.read_text())]
     assert offenders == []

@@ -228,8 +228,8 @@ def _launcher_checks(world_size):
     from megatron.core.utils import unwrap_model
     from megatron.training import training
 
+    from examples import pretrain_gpt
     from megatron_fsdp_v2.megatron import FullyShardedDataParallel, get_optimizer
-    from megatron_fsdp_v2.megatron import pretrain_gpt
     from tests.megatron_cpu import build_tiny_gpt
 
     out = {"mapped": {}}

@@ -198,7 +198,7 @@ def megatron_lm_worker(rank, world_size, base, saved_strategy, loaded_strategy, 
     from megatron.training import checkpointing
     from megatron.training.global_vars import destroy_global_vars, set_global_variables
 
-    from megatron_fsdp_v2.megatron.pretrain_gpt import parse_args
+    from examples.pretrain_gpt import parse_args
     from tests.unit.test_megatron_adapter import LAUNCHER_ARGS
 
     out = {}
@@ -364,7 +364,7 @@ def test_megatron_lm_save_and_load_checkpoint(tmp_path, saved, loaded, bf16):
 def test_launcher_rejects_other_checkpoint_formats(ckpt_format):
     import argparse
 
-    from megatron_fsdp_v2.megatron.pretrain_gpt import check_launcher_args
+    from examples.pretrain_gpt import check_launcher_args
 
     args = argparse.Namespace(data_parallel_sharding_strategy="optim_grads", save="/tmp/ckpt", load=None,
                               ckpt_format=ckpt_format)

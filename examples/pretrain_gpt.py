@@ -1,8 +1,9 @@
 """GPT pretraining with Megatron-LM's training loop and megatron_fsdp_v2 as the data-parallel wrapper.
 
-Usage (GPUs, torchrun; mock data, ``NullTokenizer``)::
+Usage (GPUs, torchrun; mock data, ``NullTokenizer``), from the repository root with
+``megatron_fsdp_v2`` installed (``pip install -e ".[megatron]"``)::
 
-    torchrun --nproc-per-node 8 -m megatron_fsdp_v2.megatron.pretrain_gpt \\
+    torchrun --nproc-per-node 8 examples/pretrain_gpt.py \\
         --data-parallel-sharding-strategy optim_grads_params \\
         --num-layers 4 --hidden-size 512 --num-attention-heads 8 --seq-length 1024 \\
         --max-position-embeddings 1024 --micro-batch-size 2 --global-batch-size 64 \\
@@ -15,6 +16,11 @@ selects *our* strategy (Megatron's parser default is ``optim_grads_params``). Do
 ``--use-megatron-fsdp`` (that selects Megatron's own FSDP and its argument validation forces
 other settings) or ``--use-torch-fsdp2``.
 
+An example, not library code: it lives outside the installed package, and its pieces
+(``parse_args``, ``use_fully_sharded_data_parallel``, ``model_provider``, ``forward_step``) are
+meant to be copied into a training script. It uses only the public API of
+``megatron_fsdp_v2.megatron`` (``FullyShardedDataParallel``, ``get_optimizer``).
+
 How our class gets in (the hook is installed only inside ``main()``, by
 ``use_fully_sharded_data_parallel()``, and undone afterwards):
 
@@ -25,7 +31,7 @@ How our class gets in (the hook is installed only inside ``main()``, by
   gates (``no_sync`` / grad-sync hooks with ``--overlap-grad-reduce``) and ``unwrap_model`` work.
 * ``megatron.training.training.get_megatron_optimizer`` is replaced by
   ``megatron_fsdp_v2.megatron.get_optimizer`` (weight decay by original parameter shapes, correct
-  global grad norm over shards; see optimizer.py).
+  global grad norm over shards; see ``megatron_fsdp_v2/megatron/optimizer.py``).
 
 Defaults: ``--tokenizer-type NullTokenizer`` (give ``--vocab-size``). The launcher also sets
 ``gradient_accumulation_fusion=False`` (the fused wgrad kernels write into
@@ -33,8 +39,8 @@ Defaults: ``--tokenizer-type NullTokenizer`` (give ``--vocab-size``). The launch
 
 Checkpoints: ``--save DIR --save-interval N`` / ``--load DIR`` with ``--ckpt-format torch_dist``
 (Megatron-LM's default; the other formats are rejected). Each rank writes only its shards
-(dist_checkpoint.py); a checkpoint loads at another data-parallel size and with another
-``--data-parallel-sharding-strategy``, model and optimizer state included.
+(``megatron_fsdp_v2/megatron/dist_checkpoint.py``); a checkpoint loads at another data-parallel
+size and with another ``--data-parallel-sharding-strategy``, model and optimizer state included.
 """
 
 from __future__ import annotations
@@ -48,9 +54,8 @@ from typing import List, Optional
 
 import torch
 
-from ..strategy import STRATEGY_NAMES
-from .adapter import FullyShardedDataParallel
-from .optimizer import get_optimizer
+from megatron_fsdp_v2 import STRATEGY_NAMES
+from megatron_fsdp_v2.megatron import FullyShardedDataParallel, get_optimizer
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +87,7 @@ def check_launcher_args(args: argparse.Namespace) -> None:
     if getattr(args, "data_path", None) or getattr(args, "train_data_path", None):
         problems.append("this launcher trains on mock data only; drop --data-path / --train-data-path")
     if problems:
-        raise ValueError("megatron_fsdp_v2.megatron.pretrain_gpt: " + "; ".join(problems) + ".")
+        raise ValueError("examples/pretrain_gpt.py: " + "; ".join(problems) + ".")
 
 
 @contextlib.contextmanager

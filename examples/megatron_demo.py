@@ -1,6 +1,6 @@
 """``make demo``: a tiny Megatron GPT trained with every sharding strategy on CPU ranks.
 
-    python -m megatron_fsdp_v2.megatron.demo --nproc 2
+    python examples/megatron_demo.py --nproc 2      # from a checkout (or: python -m examples.megatron_demo)
 
 Starts ``--nproc`` processes joined by a gloo group. Each builds the same small Megatron-Core
 ``GPTModel`` (local layer spec, fp32, ``use_cpu_initialization=True``), generates its own synthetic
@@ -22,7 +22,8 @@ decay; built by ``megatron_fsdp_v2.megatron.get_optimizer``). A first run uses M
   (``--ckpt-format torch_dist``) and loaded into a fresh model of the next strategy.
 
 Megatron hard-codes CUDA in a few places; the workers apply the CPU patches of
-``megatron_fsdp_v2.megatron.cpu_compat`` (demo/test only, never used by the library itself).
+``testing/cpu_compat.py`` (demo/test scaffolding of the checkout, not installed, never used by the
+library itself), so the script puts the repository root on ``sys.path``.
 """
 
 from __future__ import annotations
@@ -37,19 +38,24 @@ import sys
 import tempfile
 import time
 import warnings
+from pathlib import Path
 from typing import Dict, List
 
-import torch
-import torch.distributed as dist
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:          # testing/ (and this checkout's megatron_fsdp_v2) when run as a script
+    sys.path.insert(0, str(REPO))
 
-from ..strategy import STRATEGY_NAMES
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from megatron_fsdp_v2 import STRATEGY_NAMES  # noqa: E402
 
 ZERO_NAMES = {"no_shard": "DDP", "optim": "ZeRO-1", "optim_grads": "ZeRO-2", "optim_grads_params": "ZeRO-3"}
 REFERENCE = "megatron DDP"
 
 
 def _parse(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m megatron_fsdp_v2.megatron.demo", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python examples/megatron_demo.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--nproc", type=int, default=2, help="data-parallel CPU ranks (gloo)")
     p.add_argument("--iters", type=int, default=30, help="optimizer steps per strategy")
     p.add_argument("--micro-batches", type=int, default=2, help="micro-batches per step (k)")
@@ -79,7 +85,7 @@ def _build_gpt(opts):
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from .cpu_compat import UNFUSED_KERNELS
+    from testing.cpu_compat import UNFUSED_KERNELS
 
     config = TransformerConfig(
         num_layers=opts.layers, hidden_size=opts.hidden, num_attention_heads=opts.heads,
@@ -168,7 +174,7 @@ def _run(opts, batches, strategy: str, rank: int) -> dict:
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from . import FullyShardedDataParallel, get_optimizer, save_dist_checkpoint
+    from megatron_fsdp_v2.megatron import FullyShardedDataParallel, get_optimizer, save_dist_checkpoint
 
     model, config = _build_gpt(opts)
     numel = sum(p.numel() for p in model.parameters())
@@ -229,7 +235,7 @@ def _reload(opts, saved: str, target: str) -> bool:
     """Load ``saved``'s checkpoint into a fresh ``target`` model: same weights bitwise, same Adam step?"""
     from megatron.core.distributed import DistributedDataParallelConfig
 
-    from . import FullyShardedDataParallel, get_optimizer, load_dist_checkpoint
+    from megatron_fsdp_v2.megatron import FullyShardedDataParallel, get_optimizer, load_dist_checkpoint
 
     model, config = _build_gpt(opts)
     wrapped = FullyShardedDataParallel(config, DistributedDataParallelConfig(data_parallel_sharding_strategy=target),
@@ -321,7 +327,7 @@ def _worker(rank: int, world: int, opts, port: int) -> None:
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        from .cpu_compat import (
+        from testing.cpu_compat import (
             destroy_megatron_parallel_state,
             init_megatron_parallel_state,
             patch_megatron_for_cpu,

@@ -4,13 +4,15 @@ Megatron-Core hard-codes CUDA in a handful of places that a tiny ``GPTModel`` tr
 (gloo, several real processes) runs through. ``patch_megatron_for_cpu()`` patches exactly those,
 only inside Megatron modules and only while the context manager is active:
 
-* never ``torch.cuda`` itself, and never anything in ``megatron_fsdp_v2`` (our engine and this
-  adapter must run unmodified; code of ours that hard-coded CUDA would still fail on CPU);
-* nothing here is imported by ``megatron_fsdp_v2.megatron.adapter`` / ``optimizer`` /
-  ``pretrain_gpt``: production (GPU) runs never see these patches.
+* never ``torch.cuda`` itself, and never anything in ``megatron_fsdp_v2`` (our engine and the
+  Megatron adapter must run unmodified; code of ours that hard-coded CUDA would still fail on CPU);
+* this module lives outside the installed package (``testing/`` of the checkout): nothing in
+  ``megatron_fsdp_v2`` and nothing in ``examples/pretrain_gpt.py`` imports it, so production (GPU)
+  runs never see these patches.
 
-Users: ``megatron_fsdp_v2/megatron/demo.py`` (``make demo``) and the CPU tests (``tests/megatron_cpu.py``
-re-exports everything here). The patch list is in ``patch_megatron_for_cpu``'s docstring.
+Users: ``examples/megatron_demo.py`` (``make demo``), the CPU tests (``tests/megatron_cpu.py``
+re-exports everything here), the functional suite's CPU smoke mode and the benchmarks' CPU dry run
+(``UNFUSED_KERNELS`` also on GPUs). The patch list is in ``patch_megatron_for_cpu``'s docstring.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ gradient is the gradient of ``mean_over_dp_ranks(mean_over_microbatches(mean_ove
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional
+from typing import Any, Dict, Iterator, List, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -465,44 +465,11 @@ def state_dicts_equal(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor], at
 
 
 # ---------------------------------------------------------------------------------------------
-# Multi-process launcher (reuses tests/unit/dist_utils.py)
+# Multi-process launcher: the persistent gloo worker pool (tests/dist_pool.py), re-exported
 # ---------------------------------------------------------------------------------------------
 
-
-class _SerializedResult:
-    """Picklable wrapper: runs ``fn`` and returns its result as ``torch.save`` bytes.
-
-    dist_utils passes results back through a ``multiprocessing.Manager`` dict; serialising
-    first keeps tensors / NamedTuples out of the manager process (no shared-memory handles, no
-    need for the manager to import this module).
-    """
-
-    def __init__(self, fn):
-        self.fn = fn
-
-    def __call__(self, rank, world_size, *args):
-        import io
-
-        result = self.fn(rank, world_size, *args)
-        buf = io.BytesIO()
-        torch.save(result, buf)
-        return buf.getvalue()
-
-
-def run_distributed(fn: Callable, world_size: int, *args, timeout: float = 300.0) -> List[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo (CPU) ranks.
-
-    Thin layer over ``tests/unit/dist_utils.run_distributed`` (spawned processes, default gloo
-    group through a file rendezvous, ``torch.set_num_threads(1)``, a worker's exception re-raised
-    in the parent as ``RuntimeError`` with its traceback).  Results may contain tensors.
-    ``fn`` must be importable at module level (e.g. ``reference_worker``).
-    """
-    import io
-
-    try:
-        from .unit.dist_utils import run_distributed as _run
-    except ImportError:  # imported as a top-level module with tests/ on sys.path
-        from unit.dist_utils import run_distributed as _run
-
-    raw = _run(_SerializedResult(fn), world_size, *args, timeout=timeout)
-    return [torch.load(io.BytesIO(b), weights_only=False) for b in raw]
+# ``run_distributed(fn, world_size, *args, timeout=300.0, fresh=False)``: results may contain tensors.
+# A pool worker keeps Megatron imported between cases; ``patch_megatron_for_cpu`` is a context
+# manager (undone on exit, also when the case raises), and the pool tears down Megatron's parallel
+# state / global variables a case left set and retires a worker that still has the patches applied.
+from tests.dist_pool import run_distributed  # noqa: E402

@@ -23,7 +23,6 @@ import dataclasses
 import datetime
 import gc
 import os
-import socket
 import tempfile
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
@@ -31,6 +30,7 @@ from typing import Dict, List, Optional
 import torch
 
 from megatron_fsdp_v2 import STRATEGY_NAMES
+from tests.dist_pool import free_port
 
 STRATEGIES = tuple(STRATEGY_NAMES)                 # no_shard, optim, optim_grads, optim_grads_params
 REFERENCE = "megatron_ddp"
@@ -133,12 +133,6 @@ _WORLD: Optional[World] = None
 _TEARDOWN = contextlib.ExitStack()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def setup_world() -> World:
     """Join (or create) the process group and initialise Megatron's parallel state. Idempotent.
 
@@ -152,7 +146,7 @@ def setup_world() -> World:
 
     if "RANK" not in os.environ:       # not under torchrun: a world of one, env vars removed at teardown
         defaults = dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                        MASTER_PORT=str(_free_port()))
+                        MASTER_PORT=str(free_port()))
         added = [key for key in defaults if key not in os.environ]
         os.environ.update({key: defaults[key] for key in added})
         _TEARDOWN.callback(lambda: [os.environ.pop(key, None) for key in added])

@@ -108,7 +108,7 @@ def _resume_load_worker(rank, world, root):
 
 def test_resume_is_bitwise_identical_for_every_strategy(tmp_path):
     continuous = run_distributed(_resume_save_worker, 2, str(tmp_path))
-    resumed = run_distributed(_resume_load_worker, 2, str(tmp_path))   # new processes
+    resumed = run_distributed(_resume_load_worker, 2, str(tmp_path), fresh=True)   # new processes: resume from disk only
     for rank in range(2):
         for strategy in STRATEGY_NAMES:
             bad = _differences(resumed[rank][strategy], continuous[rank][strategy], torch.equal)

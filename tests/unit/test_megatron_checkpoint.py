@@ -313,7 +313,8 @@ def test_saved_state_is_complete(checkpoints):
 def test_every_strategy_pair_at_dp2_and_resume_is_bitwise(checkpoints):
     base, saved = checkpoints
     pairs = [(s, t) for s in STRATEGIES for t in STRATEGIES]
-    results = run_distributed(load_worker, 2, base, pairs, True, True, timeout=300)
+    # new processes (not the pool that ran save_worker): everything must come from the checkpoint
+    results = run_distributed(load_worker, 2, base, pairs, True, True, timeout=300, fresh=True)
     for rank, out in enumerate(results):
         for saved_strategy, target in pairs:
             want = saved[rank][saved_strategy]

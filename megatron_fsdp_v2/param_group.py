@@ -95,9 +95,12 @@ class ParamGroup:
         self.reduced_this_backward = False
         # ZeRO-1 only: after a reduce this rank's region of ``full_grad`` holds the data-parallel
         # *mean* while the other regions are zero. A further backward before the grads are zeroed
-        # must scale the mean back to the sum first, or the next reduce divides it by dp again.
+        # must not reduce that mean again (it would be divided by dp once more): it moves to a
+        # shard-sized temporary (``_stash_key``) and is added back to the next reduce's result,
+        # which is how ZeRO-2 accumulates, so the two agree bitwise.
         self._own_region_holds_mean = False
-        self._mean_divisor = float(comm.size)      # what the last reduce divided the own region by
+        self._stash_key = (name, "reduced_grad_stash")
+        self._stash: Optional[torch.Tensor] = None
         self._init_buffers()
 
     # ------------------------------------------------------------------ construction
@@ -234,8 +237,11 @@ class ParamGroup:
             full = self.full_grad
             if self._own_region_holds_mean:
                 start, end = self.layout.shard_range(self.comm.rank)
+                stash = self.allocator.allocate(self._stash_key, end - start, full.dtype, self.device)
                 with torch.no_grad():
-                    full[start:end].mul_(self._mean_divisor)
+                    stash.copy_(full[start:end])
+                    full[start:end].zero_()
+                self._stash = stash
                 self._own_region_holds_mean = False
         start, end = self.layout.param_range(index)
         full[start:end].add_(grad.reshape(-1))
@@ -290,9 +296,13 @@ class ParamGroup:
                         start, end = self.layout.shard_range(self.comm.rank)
                         self.full_grad[:start].zero_()
                         self.full_grad[end:].zero_()
-                        self.full_grad[start:end].copy_(shard_out).div_(divide_factor)
+                        own = self.full_grad[start:end]
+                        if self._stash is None:
+                            own.copy_(shard_out).div_(divide_factor)
+                        else:
+                            own.copy_(self._stash).add_(shard_out, alpha=1.0 / divide_factor)
+                            self._release_stash()
                         self._own_region_holds_mean = True
-                        self._mean_divisor = divide_factor
 
         self.reduced_this_backward = True
         self.has_unreduced_grads = False
@@ -306,7 +316,7 @@ class ParamGroup:
     def scale_grads(self, factor: float) -> None:
         """Multiply the gradients this group holds (reduced or accumulating) by ``factor``."""
         with torch.no_grad():
-            for buffer in (self.full_grad, self.grad_shard):
+            for buffer in (self.full_grad, self.grad_shard, self._stash):
                 if buffer is not None:
                     buffer.mul_(factor)
 
@@ -328,6 +338,10 @@ class ParamGroup:
             self._release_temp_grad()
         return cast, lambda: self.allocator.free(self._comm_key)
 
+    def _release_stash(self) -> None:
+        self.allocator.free(self._stash_key)
+        self._stash = None
+
     def _release_temp_grad(self) -> None:
         self.allocator.free(self._grad_key)
         self._temp_grad = None
@@ -335,10 +349,10 @@ class ParamGroup:
     def discard_backward_state(self) -> None:
         """Forget a backward that raised: free its temporaries and its readiness bookkeeping
         (pending collectives must have been waited for)."""
-        for key in (self._grad_key, self._comm_key):
+        for key in (self._grad_key, self._comm_key, self._stash_key):
             if self.allocator.is_live(key):
                 self.allocator.free(key)
-        self._temp_grad = None
+        self._temp_grad = self._stash = None
         self.grads_ready = [False] * len(self.params)
         self.has_unreduced_grads = False
         self.reduced_this_backward = False
@@ -372,6 +386,8 @@ class ParamGroup:
                 main.grad = view
 
     def zero_grads(self) -> None:
+        if self._stash is not None:
+            self._release_stash()
         with torch.no_grad():
             for buffer in (self.full_grad, self.grad_shard):
                 if buffer is not None:

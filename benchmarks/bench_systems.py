@@ -212,7 +212,7 @@ def release_autograd_hooks(*objects) -> None:
             for name in ("raw_param",):               # Megatron-FSDP swaps params in and out
                 for t in (getattr(module, name, None) or {}).values():
                     add(t)
-            engine = module.__dict__.get("_fsdp")        # ours: hooks on the original params
+            engine = module.__dict__.get("_fsdp_engine")        # ours: hooks on the original params
             for group in getattr(engine, "groups", []) or []:
                 for t in group.params:
                     add(t)
@@ -234,7 +234,7 @@ def release_leftover_models() -> None:
     gc.collect()
     leftovers = [o for o in gc.get_objects()
                  if isinstance(o, torch.nn.Module)
-                 and (type(o).__name__ == "GPTModel" or "_fsdp" in o.__dict__
+                 and (type(o).__name__ == "GPTModel" or "_fsdp_engine" in o.__dict__
                       or hasattr(o, "grad_accs") or hasattr(o, "grad_acc_hooks"))]
     release_autograd_hooks(*leftovers)
     del leftovers

@@ -298,7 +298,7 @@ def _two_rank_extras(rank, world_size, batches, out):
     dtypes = {}
     for flag, reduce_fp32 in (("bf16", False), ("bf16", True), ("fp16", False)):
         wrapped, _ = _build("optim_grads", config_overrides={flag: True}, grad_reduce_in_fp32=reduce_fp32)
-        g = wrapped._engine.groups[0].dtypes
+        g = wrapped.module._fsdp_engine.groups[0].dtypes
         dtypes[(flag, reduce_fp32)] = (g.compute, g.main, g.grad, g.grad_comm,
                                        {p.dtype for p in wrapped.parameters()})
     out["dtypes"] = dtypes

@@ -9,12 +9,13 @@ import argparse
 import contextlib
 import gc
 import os
-import socket
 from dataclasses import dataclass, field
 from typing import List, Optional
 
 import torch
 import torch.distributed as dist
+
+from tests.dist_pool import free_port
 
 
 # =============================================================================================
@@ -46,12 +47,6 @@ class Ctx:
             print(*a, **k, flush=True)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_distributed(args) -> Ctx:
     device_type = args.device
     if device_type == "cuda" and not torch.cuda.is_available():
@@ -75,7 +70,7 @@ def init_distributed(args) -> Ctx:
     if "WORLD_SIZE" in os.environ:          # torchrun
         dist.init_process_group(backend)
     else:
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     return Ctx(args, device, dist.get_rank(), dist.get_world_size(), dist.get_world_size(), False)
 
 
@@ -139,11 +134,10 @@ def global_buffer_bytes() -> int:
 
 
 def build_gpt(ctx: Ctx, params_dtype: torch.dtype, bf16: bool = True):
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from testing.cpu_compat import UNFUSED_KERNELS
+    from testing.megatron_gpt import local_gpt
 
     a = ctx.args
     config = TransformerConfig(
@@ -162,17 +156,7 @@ def build_gpt(ctx: Ctx, params_dtype: torch.dtype, bf16: bool = True):
         **UNFUSED_KERNELS,
     )
     torch.manual_seed(1234)
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(),
-        vocab_size=a.vocab,
-        max_sequence_length=a.seq,
-        pre_process=True,
-        post_process=True,
-        parallel_output=True,
-        share_embeddings_and_output_weights=False,
-        position_embedding_type="learned_absolute",
-    )
+    model = local_gpt(config, a.vocab, a.seq, share_embeddings=False)
     # A few torch.nn modules (position embedding, norms) are created on CPU whatever the flag.
     model = model.to(ctx.device)
     return model, config

@@ -29,7 +29,6 @@ library itself), so the script puts the repository root on ``sys.path``.
 from __future__ import annotations
 
 import argparse
-import functools
 import logging
 import os
 import shutil
@@ -49,6 +48,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from megatron_fsdp_v2 import STRATEGY_NAMES  # noqa: E402
+from testing.megatron_gpt import local_gpt, megatron_train_step, tiny_cpu_config  # noqa: E402
 
 ZERO_NAMES = {"no_shard": "DDP", "optim": "ZeRO-1", "optim_grads": "ZeRO-2", "optim_grads_params": "ZeRO-3"}
 REFERENCE = "megatron DDP"
@@ -81,27 +81,9 @@ def _parse(argv=None) -> argparse.Namespace:
 
 
 def _build_gpt(opts):
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    from testing.cpu_compat import UNFUSED_KERNELS
-
-    config = TransformerConfig(
-        num_layers=opts.layers, hidden_size=opts.hidden, num_attention_heads=opts.heads,
-        use_cpu_initialization=True, params_dtype=torch.float32, pipeline_dtype=torch.float32,
-        bf16=False, fp16=False, hidden_dropout=0.0, attention_dropout=0.0, **UNFUSED_KERNELS,
-    )
-    state = torch.get_rng_state()
-    torch.manual_seed(opts.seed)  # same initial weights on every rank and for every run
-    try:
-        model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
-                         vocab_size=opts.vocab, max_sequence_length=opts.seq, pre_process=True,
-                         post_process=True, parallel_output=True, share_embeddings_and_output_weights=True,
-                         position_embedding_type="learned_absolute")
-    finally:
-        torch.set_rng_state(state)
-    return model, config
+    """Same initial weights on every rank and for every run (seeded, caller's RNG restored)."""
+    config = tiny_cpu_config(opts.layers, opts.hidden, opts.heads)
+    return local_gpt(config, opts.vocab, opts.seq, seed=opts.seed), config
 
 
 def _batches(opts, dp_rank: int) -> List[Dict[str, torch.Tensor]]:
@@ -120,19 +102,6 @@ def _batches(opts, dp_rank: int) -> List[Dict[str, torch.Tensor]]:
     return out
 
 
-def _loss_func(loss_mask, output_tensor):
-    """Megatron-LM 0.19 convention: (sum of token losses, number of tokens, report)."""
-    losses = output_tensor.view(-1).float()
-    mask = loss_mask.view(-1).float()
-    loss = torch.sum(losses * mask)
-    num_tokens = mask.sum().clone().detach().to(torch.int)
-    return loss, num_tokens, {"lm loss": torch.cat([loss.detach().view(1), num_tokens.float().view(1)])}
-
-
-def _forward_step(data_iterator, model):
-    batch = next(data_iterator)
-    output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
-    return output, functools.partial(_loss_func, batch["loss_mask"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -172,7 +141,6 @@ def _run(opts, batches, strategy: str, rank: int) -> dict:
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron_fsdp_v2.megatron import FullyShardedDataParallel, get_optimizer, save_dist_checkpoint
 
@@ -192,21 +160,16 @@ def _run(opts, batches, strategy: str, rank: int) -> dict:
                             end_wd=opts.weight_decay, wd_incr_steps=1 << 30, wd_incr_style="constant")
     config.no_sync_func = wrapped.no_sync
     config.finalize_model_grads_func = finalize_model_grads
-    forward_backward = get_forward_backward_func()
     k = opts.micro_batches
     label = REFERENCE if reference else f"{strategy} ({ZERO_NAMES[strategy]})"
     progress = _Progress(label, opts.iters, enabled=rank == 0)
     losses = []
     for it in range(opts.iters):
-        wrapped.zero_grad_buffer()
-        optimizer.zero_grad()
-        store = forward_backward(forward_step_func=_forward_step, data_iterator=iter(batches[it * k:(it + 1) * k]),
-                                 model=[wrapped], num_microbatches=k, seq_length=opts.seq,
-                                 micro_batch_size=opts.micro_batch_size, forward_only=False)
+        store, ok, _ = megatron_train_step(wrapped, optimizer, batches[it * k:(it + 1) * k], opts.seq,
+                                           opts.micro_batch_size)
         total = torch.stack([d["lm loss"] for d in store]).sum(0).double()
         dist.all_reduce(total, group=ps.get_data_parallel_group())
         losses.append((total[0] / total[1]).item())
-        ok, _, _ = optimizer.step()
         assert ok, "optimizer step failed"
         progress.update(it + 1, losses[-1])
     config.no_sync_func = config.finalize_model_grads_func = None

@@ -29,8 +29,7 @@ gradient is the gradient of ``mean_over_dp_ranks(mean_over_microbatches(mean_ove
 
 from __future__ import annotations
 
-import functools
-from typing import Any, Dict, Iterator, List, NamedTuple, Optional
+from typing import Any, Dict, List, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -66,6 +65,7 @@ from testing.cpu_compat import (  # noqa: E402  (re-exported)
     init_megatron_parallel_state,
     patch_megatron_for_cpu,
 )
+from testing.megatron_gpt import forward_step, local_gpt, loss_func, tiny_cpu_config  # noqa: E402,F401
 
 
 # ---------------------------------------------------------------------------------------------
@@ -88,43 +88,8 @@ def build_tiny_gpt(
     identical on every rank.  Dropout is 0 so that training is deterministic.  Returns
     ``(model, config)``.
     """
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    cfg_kwargs = dict(
-        num_layers=layers,
-        hidden_size=hidden,
-        num_attention_heads=heads,
-        use_cpu_initialization=True,
-        params_dtype=torch.float32,
-        pipeline_dtype=torch.float32,
-        bf16=False,
-        fp16=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        **UNFUSED_KERNELS,
-    )
-    cfg_kwargs.update(config_overrides)
-    config = TransformerConfig(**cfg_kwargs)
-
-    cpu_state = torch.get_rng_state()
-    torch.manual_seed(seed)
-    try:
-        model = GPTModel(
-            config=config,
-            transformer_layer_spec=get_gpt_layer_local_spec(),
-            vocab_size=vocab,
-            max_sequence_length=seq,
-            pre_process=True,
-            post_process=True,
-            parallel_output=True,
-            share_embeddings_and_output_weights=True,
-            position_embedding_type="learned_absolute",
-        )
-    finally:
-        torch.set_rng_state(cpu_state)
-    return model, config
+    config = tiny_cpu_config(layers, hidden, heads, **config_overrides)
+    return local_gpt(config, vocab, seq, seed=seed), config
 
 
 def synthetic_batches(
@@ -158,34 +123,9 @@ def synthetic_batches(
     return out
 
 
-def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
-    """Megatron-LM 0.19 ``pretrain_gpt.loss_func`` convention (3-tuple).
-
-    Returns ``(sum of masked token losses, num_tokens, {"lm loss": [loss_sum, num_tokens]})``.
-    The schedule (``forward_step_calc_loss``) then divides by ``num_tokens`` and by
-    ``num_microbatches`` before backward, i.e. the optimised objective is the per-token mean.
-    """
-    losses = output_tensor.view(-1).float()
-    loss_mask = loss_mask.view(-1).float()
-    loss = torch.sum(losses * loss_mask)
-    num_tokens = loss_mask.sum().clone().detach().to(torch.int)
-    report = torch.cat([loss.clone().detach().view(1), num_tokens.float().view(1)])
-    return loss, num_tokens, {"lm loss": report}
-
-
-def forward_step_func(data_iterator: Iterator[Dict[str, torch.Tensor]], model):
-    """``forward_step_func`` for ``get_forward_backward_func()``: returns ``(output, loss_fn)``.
-
-    ``model`` may be the bare GPTModel or any wrapper forwarding ``__call__`` to it.
-    """
-    batch = next(data_iterator)
-    output = model(
-        batch["tokens"],
-        batch["position_ids"],
-        batch["attention_mask"],
-        labels=batch["labels"],
-    )  # GPTModel returns per-token losses [b, s] when labels are given
-    return output, functools.partial(loss_func, batch["loss_mask"])
+# Megatron-LM's loss and forward step for the GPT: testing/megatron_gpt.py (shared with the
+# functional suite, the demo and the benchmarks).
+forward_step_func = forward_step
 
 
 # ---------------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from tests.unit.comm_counter import CollectiveCounter as _Counter
+from tests.comm_counter import CollectiveCounter as _Counter
 
 
 class CollectiveCounter(_Counter):

@@ -285,17 +285,14 @@ def transformer_config(spec: GPTSpec):
 def build_gpt(spec: GPTSpec, world: World):
     """``(module, config, transformer_layer_class)``: the GPT on ``world.device``; with bf16 inside
     ``Float16Module`` (bf16 weights, fp32 logits/loss) exactly as Megatron-LM wraps it."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.module import Float16Module
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
+    from testing.megatron_gpt import local_gpt
+
     config = transformer_config(spec)
     reseed(spec.model_seed)
-    gpt = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=spec.vocab,
-                   max_sequence_length=spec.seq, pre_process=True, post_process=True, parallel_output=True,
-                   share_embeddings_and_output_weights=True, position_embedding_type="learned_absolute")
-    gpt = gpt.to(world.device)
+    gpt = local_gpt(config, spec.vocab, spec.seq).to(world.device)
     module = Float16Module(config, gpt) if spec.bf16 else gpt
     return module, config, TransformerLayer
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import functools
 import hashlib
 import json
 import os
@@ -19,29 +18,13 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
+from testing.megatron_gpt import loss_func, megatron_train_step
+
 from .harness import (GOLDEN_PATH, MEASURED_FILE, REFERENCE, GPTSpec, World, batches, build_gpt, loss_spec,
                       release_memory, results_dir)
 
 
-# ---------------------------------------------------------------------------------------------
-# Loss and forward step as Megatron-LM's pretrain_gpt has them
-# ---------------------------------------------------------------------------------------------
-
-
-def _loss_func(loss_mask, output_tensor):
-    """Megatron-LM 0.19 ``pretrain_gpt.loss_func``: (sum of token losses, tokens, report)."""
-    losses = output_tensor.view(-1).float()
-    mask = loss_mask.view(-1).float()
-    loss = torch.sum(losses * mask)
-    num_tokens = mask.sum().clone().detach().to(torch.int)
-    report = torch.cat([loss.clone().detach().view(1), num_tokens.float().view(1)])
-    return loss, num_tokens, {"lm loss": report}
-
-
-def _forward_step(data_iterator, model):
-    batch = next(data_iterator)
-    output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
-    return output, functools.partial(_loss_func, batch["loss_mask"])
+# Loss and forward step as Megatron-LM's pretrain_gpt has them: testing/megatron_gpt.py.
 
 
 def _global_mean(loss_sum_and_tokens: torch.Tensor, world: World, group=None) -> float:
@@ -105,20 +88,14 @@ def _megatron_schedule_loop(wrapped, config, optimizer, spec: GPTSpec, world: Wo
     micro-batches (``finalize_model_grads`` reduces), ``optimizer.step()``; global token-mean loss."""
     from megatron.core import parallel_state as ps
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     data = batches(spec, world.rank, world)
     k = spec.micro_batches
     config.finalize_model_grads_func = finalize_model_grads
-    forward_backward = get_forward_backward_func()
     losses, norms = [], []
     for it in range(spec.iters):
-        wrapped.zero_grad_buffer()
-        optimizer.zero_grad()
-        store = forward_backward(forward_step_func=_forward_step, data_iterator=iter(data[it * k:(it + 1) * k]),
-                                 model=[wrapped], num_microbatches=k, seq_length=spec.seq,
-                                 micro_batch_size=spec.micro_batch_size, forward_only=False)
-        ok, grad_norm, _ = optimizer.step()
+        store, ok, grad_norm = megatron_train_step(wrapped, optimizer, data[it * k:(it + 1) * k], spec.seq,
+                                                   spec.micro_batch_size)
         if not ok:
             raise RuntimeError(f"Megatron optimizer step {it} was skipped (update_successful=False)")
         total = torch.zeros(2, dtype=torch.float64, device=world.device)
@@ -217,7 +194,7 @@ def plain_step(model, optimizer, micro_batches: List[dict], world: World, *, cli
         with (model.no_sync() if i < k - 1 else contextlib.nullcontext()):
             output = run(i, "forward", lambda: model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
                                                      labels=batch["labels"]))
-            loss_sum, num_tokens, _ = _loss_func(batch["loss_mask"], output)
+            loss_sum, num_tokens, _ = loss_func(batch["loss_mask"], output)
             loss = loss_sum / torch.clamp(num_tokens, min=1) / k
             run(i, "backward", loss.backward)
         total += torch.stack([loss_sum.detach().double(), num_tokens.double()])

@@ -7,7 +7,7 @@ import torch
 
 from megatron_fsdp_v2 import STRATEGY_NAMES, fully_shard
 
-from .comm_counter import CollectiveCounter
+from tests.comm_counter import CollectiveCounter
 from .dist_utils import run_distributed
 from .models import Block, UnevenNet, make_batches
 from .scenarios import loss_fn

@@ -418,13 +418,8 @@ def save_checkpoint(path: "str | os.PathLike", model, optimizer=None) -> None:
     path = os.fspath(path)
     group = model._fsdp_engine.comm.group
     leader = dist.get_rank(group) == 0
-    error = None
-    if leader:
-        try:
-            checkpoint_commit.recover(path)
-        except Exception as exc:  # noqa: BLE001 - raised on every rank below
-            error = exc
-    raise_on_every_rank(group, error, f"save_checkpoint({path!r}): recovering from an earlier save")
+    _on_leader(group, leader, lambda: checkpoint_commit.recover(path),
+               f"save_checkpoint({path!r}): recovering from an earlier save")
     sd = OrderedDict((f"model.{k}", v) for k, v in model_state_dict(model).items())
     if optimizer is not None:
         sd.update((f"optimizer.{k}", v) for k, v in optimizer_state_dict(model, optimizer).items())
@@ -441,13 +436,20 @@ def save_checkpoint(path: "str | os.PathLike", model, optimizer=None) -> None:
             raise RuntimeError(f"save_checkpoint: writing {path!r} failed on ranks {sorted(exc.failures)}; the "
                                f"previous checkpoint there is intact. {exc}") from exc
         raise
+    _on_leader(group, leader, lambda: checkpoint_commit.commit(path),
+               f"save_checkpoint({path!r}): committing {tmp!r}")
+
+
+def _on_leader(group, leader: bool, step, what: str) -> None:
+    """Run ``step()`` on the group's rank 0 only (directory renames); an exception there is raised
+    on every rank, so none waits alone in the next collective."""
     error = None
     if leader:
         try:
-            checkpoint_commit.commit(path)
+            step()
         except Exception as exc:  # noqa: BLE001 - raised on every rank below
             error = exc
-    raise_on_every_rank(group, error, f"save_checkpoint({path!r}): committing {tmp!r}")
+    raise_on_every_rank(group, error, what)
 
 
 class _LoadPlan:

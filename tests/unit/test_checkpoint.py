@@ -18,8 +18,10 @@ from megatron_fsdp_v2 import (STRATEGY_NAMES, ChecksummedFileSystemWriter, Mixed
                               optimizer_state_dict, save_checkpoint)
 from megatron_fsdp_v2.dcp_format import flat_range_boxes
 
+from .checkpoint_helpers import distributed_fixture, run_parts
 from .dist_utils import run_distributed
 from .models import Block, UnevenNet
+from .test_checkpoint_safety import Marker
 
 GLOBAL_BATCH = 4   # split over ranks, so every dp size trains on the same samples
 
@@ -230,18 +232,11 @@ def _failed_save_worker(rank, world, root):
 
 def _two_rank_checks_worker(rank, world, root):
     """The failed save, the error messages and the export share one job (a spawn costs ~10 s here)."""
-    results = {}
-    for name, worker in (("failed_save", _failed_save_worker), ("errors", _errors_worker),
-                         ("export", _export_worker)):
-        os.makedirs(f"{root}/{name}", exist_ok=True)
-        dist.barrier()
-        results[name] = worker(rank, world, f"{root}/{name}")
-    return results
+    return run_parts(rank, world, root, (("failed_save", _failed_save_worker), ("errors", _errors_worker),
+                                         ("export", _export_worker)))
 
 
-@pytest.fixture(scope="module")
-def two_rank_checks(tmp_path_factory):
-    return run_distributed(_two_rank_checks_worker, 2, str(tmp_path_factory.mktemp("two_rank")))
+two_rank_checks = distributed_fixture(_two_rank_checks_worker, "two_rank")
 
 
 def test_failed_save_leaves_last_checkpoint_loadable(two_rank_checks):
@@ -257,20 +252,6 @@ def test_failed_save_leaves_last_checkpoint_loadable(two_rank_checks):
 TRIPWIRE = "unpickled.flag"
 
 
-def _trip(path):
-    open(path, "w").close()
-
-
-class _Tripwire:
-    """Leaves a file behind if anything ever unpickles it."""
-
-    def __init__(self, path):
-        self.path = path
-
-    def __reduce__(self):
-        return _trip, (self.path,)
-
-
 def _errors_worker(rank, world, root):
     model, opt = _build("optim", model_fn=lambda: UnevenNet(depth=3, hidden=37))
     save_checkpoint(f"{root}/ckpt", model, opt)
@@ -284,7 +265,7 @@ def _errors_worker(rank, world, root):
         model.load_state_dict({"bogus": torch.zeros(3)})
     messages["load_state_dict"] = str(info.value)
 
-    tripwire = _Tripwire(f"{root}/{TRIPWIRE}")     # pickled objects where tensors belong, checksums intact
+    tripwire = Marker(f"{root}/{TRIPWIRE}")        # pickled objects where tensors belong, checksums intact
     sd = {f"model.{k}": v for k, v in model.state_dict().items()}
     dcp.save({**sd, "model.offset": tripwire}, storage_writer=ChecksummedFileSystemWriter(f"{root}/evil_model"))
     optim_sd = {f"optimizer.{k}": v for k, v in optimizer_state_dict(model, opt).items()}
@@ -311,7 +292,7 @@ def test_loading_a_different_model_names_the_bad_keys(two_rank_checks):
 
 def test_metadata_reader_refuses_foreign_globals(tmp_path):
     with open(tmp_path / ".metadata", "wb") as f:
-        pickle.dump(_Tripwire(str(tmp_path / TRIPWIRE)), f)
+        pickle.dump(Marker(str(tmp_path / TRIPWIRE)), f)
     with pytest.raises(pickle.UnpicklingError, match="_trip"):
         SafeFileSystemReader(str(tmp_path)).read_metadata()
     assert not (tmp_path / TRIPWIRE).exists()

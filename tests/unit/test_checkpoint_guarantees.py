@@ -28,7 +28,7 @@ from megatron_fsdp_v2 import (SafeFileSystemReader, fully_shard, load_checkpoint
 from megatron_fsdp_v2 import checkpoint_commit
 from megatron_fsdp_v2.dcp_format import FlatRangeShard
 
-from .dist_utils import run_distributed
+from .checkpoint_helpers import distributed_fixture, failure, run_parts
 from .models import Block, UnevenNet
 
 
@@ -59,14 +59,6 @@ def same(got, want) -> bool:
     return (list(w_got) == list(w_want) and all(torch.equal(w_got[k], w_want[k]) for k in w_want)
             and {n: sorted(s) for n, s in s_got.items()} == {n: sorted(s) for n, s in s_want.items()}
             and all(torch.equal(s_got[n][k], s_want[n][k]) for n in s_want for k in s_want[n]))
-
-
-def failure(fn) -> str:
-    try:
-        fn()
-    except BaseException as exc:  # noqa: BLE001 - DCP raises CheckpointException, a BaseException
-        return f"{type(exc).__name__}: {exc}"
-    return "no error"
 
 
 def _leader_then_all(rank, fn, *args):
@@ -224,17 +216,11 @@ def _optimizer_cases(rank, world, root):
 
 
 def _worker(rank, world, root):
-    out = {}
-    for name, cases in (("integrity", _integrity_cases), ("crash", _crash_state_cases),
-                        ("optimizer", _optimizer_cases)):
-        _leader_then_all(rank, os.makedirs, f"{root}/{name}")
-        out[name] = cases(rank, world, f"{root}/{name}")
-    return out
+    return run_parts(rank, world, root, (("integrity", _integrity_cases), ("crash", _crash_state_cases),
+                                         ("optimizer", _optimizer_cases)))
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    return run_distributed(_worker, 2, str(tmp_path_factory.mktemp("guarantees")))
+results = distributed_fixture(_worker, "guarantees")
 
 
 def test_a_flipped_bit_raises_on_every_rank_naming_the_file_and_the_rank(results):

@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, Metadat
 from megatron_fsdp_v2 import (ChecksummedFileSystemWriter, SafeFileSystemReader, UnsafeCheckpointError, fully_shard,
                               load_checkpoint, optimizer_state_dict)
 
+from .checkpoint_helpers import failure
 from .models import Block, UnevenNet
 
 
@@ -36,22 +37,15 @@ def _trip(path):
     open(path, "w").close()
 
 
-class _Marker:
-    """Pickles to a call of ``_trip(path)``: unpickling it leaves a file behind."""
+class Marker:
+    """Pickles to a call of ``_trip(path)``: unpickling it leaves a file behind (test_checkpoint.py
+    uses it too)."""
 
     def __init__(self, path):
         self.path = path
 
     def __reduce__(self):
         return _trip, (self.path,)
-
-
-def _failure(fn) -> str:
-    try:
-        fn()
-    except BaseException as exc:  # noqa: BLE001 - DCP raises CheckpointException, a BaseException
-        return f"{type(exc).__name__}: {exc}"
-    return "no error"
 
 
 @pytest.fixture()
@@ -64,9 +58,9 @@ def model_and_optimizer(single_rank_group):
 def test_byte_entries_are_never_unpickled_on_any_documented_load_path(tmp_path, model_and_optimizer):
     model, opt = model_and_optimizer
     flag = str(tmp_path / "unpickled.flag")
-    evil_model = dict(model.state_dict(), **{"proj.weight": _Marker(flag)})     # a weight declared as bytes
+    evil_model = dict(model.state_dict(), **{"proj.weight": Marker(flag)})     # a weight declared as bytes
     dcp.save(evil_model, checkpoint_id=str(tmp_path / "model"))
-    evil_optim = dict(optimizer_state_dict(model, opt), **{"state.proj.weight.exp_avg": _Marker(flag)})
+    evil_optim = dict(optimizer_state_dict(model, opt), **{"state.proj.weight.exp_avg": Marker(flag)})
     dcp.save(evil_optim, checkpoint_id=str(tmp_path / "optim"))
     dcp.save({f"model.{k}": v for k, v in evil_model.items()},       # save_checkpoint's layout, with checksums
              storage_writer=ChecksummedFileSystemWriter(str(tmp_path / "ckpt")))
@@ -74,13 +68,13 @@ def test_byte_entries_are_never_unpickled_on_any_documented_load_path(tmp_path, 
         assert isinstance(pickle.load(f).state_dict_metadata["proj.weight"], BytesStorageMetadata)
 
     got = {
-        "model": _failure(lambda: dcp.load(model.state_dict(),
+        "model": failure(lambda: dcp.load(model.state_dict(),
+                                          storage_reader=SafeFileSystemReader(str(tmp_path / "model")))),
+        "optimizer": failure(lambda: dcp.load(optimizer_state_dict(model, opt),
+                                              storage_reader=SafeFileSystemReader(str(tmp_path / "optim")))),
+        "object": failure(lambda: dcp.load({"proj.weight": io.BytesIO()},
                                            storage_reader=SafeFileSystemReader(str(tmp_path / "model")))),
-        "optimizer": _failure(lambda: dcp.load(optimizer_state_dict(model, opt),
-                                               storage_reader=SafeFileSystemReader(str(tmp_path / "optim")))),
-        "object": _failure(lambda: dcp.load({"proj.weight": io.BytesIO()},
-                                            storage_reader=SafeFileSystemReader(str(tmp_path / "model")))),
-        "load_checkpoint": _failure(lambda: load_checkpoint(str(tmp_path / "ckpt"), model)),
+        "load_checkpoint": failure(lambda: load_checkpoint(str(tmp_path / "ckpt"), model)),
     }
     assert not os.path.exists(flag), f"a load path unpickled the marker: {got}"
     assert "UnsafeCheckpointError: checkpoint entry 'proj.weight' in" in got["model"]
@@ -96,7 +90,7 @@ def test_byte_entries_are_never_unpickled_on_any_documented_load_path(tmp_path, 
 
 def test_metadata_reader_refuses_foreign_globals_and_paths_outside_the_checkpoint(tmp_path):
     with open(tmp_path / ".metadata", "wb") as f:
-        pickle.dump(_Marker(str(tmp_path / "unpickled.flag")), f)
+        pickle.dump(Marker(str(tmp_path / "unpickled.flag")), f)
     with pytest.raises(pickle.UnpicklingError, match=r"refers to tests\.unit\.test_checkpoint_safety\._trip"):
         SafeFileSystemReader(str(tmp_path)).read_metadata()
     assert not (tmp_path / "unpickled.flag").exists()
@@ -136,13 +130,13 @@ def test_megatron_load_dist_checkpoint_never_unpickles_common_state_objects(tmp_
     flag = str(tmp_path / "unpickled.flag")
     weights = torch.arange(6.0).view(2, 3)
     with patch_megatron_for_cpu():
-        for name, extra in (("good", {"iteration": 7, "note": "weights-only types"}), ("evil", {"x": _Marker(flag)})):
+        for name, extra in (("good", {"iteration": 7, "note": "weights-only types"}), ("evil", {"x": Marker(flag)})):
             os.makedirs(tmp_path / name)
             dist_checkpointing.save({**sharded(weights), **extra}, str(tmp_path / name))
         holder = Holder()
         load_dist_checkpoint(str(tmp_path / "good"), holder)
         assert torch.equal(holder.loaded["w"], weights)
-        message = _failure(lambda: load_dist_checkpoint(str(tmp_path / "evil"), Holder()))
+        message = failure(lambda: load_dist_checkpoint(str(tmp_path / "evil"), Holder()))
         assert not os.path.exists(flag), message
         assert "UnsafeCheckpointError" in message and "common_state" in message
         assert "torch.load(weights_only=True) refused it" in message and "_trip" in message

@@ -30,6 +30,16 @@ def _ddp_state(model: nn.Module) -> dict:
     return {n: t.detach().clone() for n, t in model.module.state_dict().items()}
 
 
+def _train_adamw(model: nn.Module, rank: int, steps: int, micro_batches: int) -> None:
+    """AdamW(lr=1e-2) steps, each after the backwards of ``micro_batches`` batches of make_batches."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(steps):
+        for x, y in make_batches(step, rank, micro_batches):
+            loss_fn(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+
 # ---------------------------------------------------------------- item 1: backward twice before step
 def backward_twice(rank, strategy):
     """nn.Linear(1, 2) of ones, input rank + 1, two backwards: DDP's grad is 3.0 everywhere."""
@@ -52,13 +62,8 @@ def backward_twice(rank, strategy):
     ddp = DistributedDataParallel(UnevenNet())
     torch.manual_seed(0)
     ours = fully_shard(UnevenNet(), sharding_strategy=strategy, unit_modules=[Block])
-    for model_, opt in ((ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-2)),
-                        (ours, torch.optim.AdamW(ours.parameters(), lr=1e-2))):
-        for step in range(5):
-            for x, y in make_batches(step, rank, 2):
-                loss_fn(model_(x), y).backward()
-            opt.step()
-            opt.zero_grad()
+    for model_ in (ddp, ours):
+        _train_adamw(model_, rank, steps=5, micro_batches=2)
     out["adamw_diff"] = _max_diff(ours.full_state_dict(), _ddp_state(ddp))
     return out
 
@@ -222,12 +227,7 @@ def nested_wrapping(rank, strategy):
     out["units"] = len(model._fsdp_engine.units)
     out["local_numel"] = sum(p.numel() for p in model.parameters())
     for m in (ddp, model):
-        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
-        for step in range(3):
-            for x, y in make_batches(step, rank, 1):
-                loss_fn(m(x), y).backward()
-            opt.step()
-            opt.zero_grad()
+        _train_adamw(m, rank, steps=3, micro_batches=1)
     out["diff"] = _max_diff(model.full_state_dict(), _ddp_state(ddp))
     # a different strategy for the parent is refused, naming the submodule
     inner = UnevenNet()

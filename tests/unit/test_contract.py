@@ -17,19 +17,24 @@ def _ce(logits, target):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
 
 
+def _train_edge(model, rank, k):
+    """Three AdamW steps of ``k`` token micro-batches each, no_sync on all but the last."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(3):
+        for i, (x, y) in enumerate(make_token_batches(step, rank, k)):
+            with (model.no_sync() if i < k - 1 else contextlib.nullcontext()):
+                _ce(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+
 def edge_worker(rank, world_size):
     """EdgeNet (tied, frozen, tiny, 0-d) trains like DDP under every strategy; frozen stays put."""
     report = {}
     k = 2
     torch.manual_seed(0)
     ddp = DistributedDataParallel(EdgeNet())
-    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
-    for step in range(3):
-        for i, (x, y) in enumerate(make_token_batches(step, rank, k)):
-            with (ddp.no_sync() if i < k - 1 else contextlib.nullcontext()):
-                _ce(ddp(x), y).backward()
-        opt.step()
-        opt.zero_grad()
+    _train_edge(ddp, rank, k)
     reference = ddp.module.state_dict()
     torch.manual_seed(0)
     initial = EdgeNet().state_dict()
@@ -37,13 +42,7 @@ def edge_worker(rank, world_size):
         torch.manual_seed(0)
         model = fully_shard(EdgeNet(), sharding_strategy=strategy, unit_modules=[Block, Tiny])
         names = [n for n, _ in model.named_parameters()]
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        for step in range(3):
-            for i, (x, y) in enumerate(make_token_batches(step, rank, k)):
-                with (model.no_sync() if i < k - 1 else contextlib.nullcontext()):
-                    _ce(model(x), y).backward()
-            opt.step()
-            opt.zero_grad()
+        _train_edge(model, rank, k)
         full = model.full_state_dict()
         diffs = {n: (full[n] - reference[n]).abs().max().item() for n in reference}
         frozen_moved = (full["frozen.weight"] - initial["frozen.weight"]).abs().max().item()

@@ -28,11 +28,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from megatron_fsdp_v2 import (STRATEGY_NAMES, MixedPrecisionPolicy, export_full_state_dict, load_checkpoint,
-                              save_checkpoint)
+from megatron_fsdp_v2 import MixedPrecisionPolicy, export_full_state_dict, load_checkpoint, save_checkpoint
 
-from .dist_utils import run_distributed
-from .upstream_common import CaseSkipped, check_report, full_grads, live_temporary_bytes, run_cases
+from .upstream_common import (CaseSkipped, all_strategies, check, full_grads, live_temporary_bytes, reports_fixture,
+                              run_cases)
 
 
 class UnitLinear(nn.Linear):
@@ -537,14 +536,24 @@ class EmptyTailModel(nn.Module):
         return hidden.sum() + self.empty(hidden).sum()
 
 
-class SharedModuleBlock(nn.Module):
-    def __init__(self, hidden: int = 8) -> None:
+class _TwoParamBlock(nn.Module):
+    """Parameters ``names`` (registered in that order) with the given initial values; the forward
+    is ``(x @ first.t()).sum() + (x @ second.t()).sum()``."""
+
+    def __init__(self, names: tuple, first: torch.Tensor, second: torch.Tensor) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.randn(hidden, hidden))
-        self.empty = nn.Parameter(torch.empty(0, hidden))
+        self._names = names
+        for name, value in zip(names, (first, second)):
+            self.register_parameter(name, nn.Parameter(value))
 
     def forward(self, x):
-        return (x @ self.weight.t()).sum() + (x @ self.empty.t()).sum()
+        first, second = (getattr(self, name) for name in self._names)
+        return (x @ first.t()).sum() + (x @ second.t()).sum()
+
+
+class SharedModuleBlock(_TwoParamBlock):
+    def __init__(self, hidden: int = 8) -> None:
+        super().__init__(("weight", "empty"), torch.randn(hidden, hidden), torch.empty(0, hidden))
 
 
 class SharedModuleModel(nn.Module):
@@ -556,14 +565,9 @@ class SharedModuleModel(nn.Module):
         return sum(block(x) for block in self.blocks)
 
 
-class OnlyEmptyBlock(nn.Module):
+class OnlyEmptyBlock(_TwoParamBlock):
     def __init__(self, hidden: int = 8) -> None:
-        super().__init__()
-        self.first = nn.Parameter(torch.empty(0, hidden))
-        self.second = nn.Parameter(torch.empty(0, hidden))
-
-    def forward(self, x):
-        return (x @ self.first.t()).sum() + (x @ self.second.t()).sum()
+        super().__init__(("first", "second"), torch.empty(0, hidden), torch.empty(0, hidden))
 
 
 class MixedModel(nn.Module):
@@ -697,26 +701,10 @@ def deepspeed_worker(rank, world_size, root, only=None):
         ("zero_element_param", lambda ctx, s: case_zero_element_param(ctx, s, root)),
         case_zero2_shared_loss_gradient, case_zero_grad_clip,
     ]
-    name_of = lambda c: c[0] if isinstance(c, tuple) else c.__name__.removeprefix("case_")  # noqa: E731
-    return run_cases(rank, world_size, [c for c in cases if only is None or name_of(c) in only])
+    return run_cases(rank, world_size, cases, only=only)
 
 
-_ONLY = os.environ.get("UPSTREAM_ONLY")
-
-
-@pytest.fixture(scope="module")
-def dp2(tmp_path_factory):
-    return run_distributed(deepspeed_worker, 2, str(tmp_path_factory.mktemp("deepspeed")),
-                           _ONLY.split(",") if _ONLY else None, timeout=600.0)
-
-
-def _check(reports, name, strategy):
-    if (name, strategy) not in reports[0]:
-        pytest.skip("not selected by UPSTREAM_ONLY")
-    check_report(reports, name, strategy)
-
-
-all_strategies = pytest.mark.parametrize("strategy", STRATEGY_NAMES)
+dp2 = reports_fixture(deepspeed_worker, 2, "deepspeed")
 
 
 @all_strategies
@@ -726,7 +714,7 @@ def test_zero_unbalanced_gradients(dp2, strategy):
     parameters (alternating) get requires_grad_(False) through model.parameters(), after it all are
     re-enabled; 2-step accumulation with no_sync; Adam weights match a plain reference doing the
     same (upstream only checks that it runs)."""
-    _check(dp2, "zero_unbalanced_gradients", strategy)
+    check(dp2, "zero_unbalanced_gradients", strategy)
 
 
 @all_strategies
@@ -734,7 +722,7 @@ def test_zero3_repeat_forward_loop(dp2, strategy):
     """deepspeedai/DeepSpeed tests/unit/runtime/zero/test_zero.py::TestZero3RepeatForwardLoop::test
     (mics off; MiCS has no equivalent). One Linear unit applied three times per forward, 2-step
     accumulation, Adam; weights vs the reference."""
-    _check(dp2, "zero3_repeat_forward_loop", strategy)
+    check(dp2, "zero3_repeat_forward_loop", strategy)
 
 
 @all_strategies
@@ -745,7 +733,7 @@ def test_zero_to_fp32(dp2, strategy):
     read the trained weights inside summon_full_params (upstream: zero.GatheredParameters),
     save_checkpoint, load it into a model of another init, export_full_state_dict on rank 0
     (upstream: load_state_dict_from_zero_checkpoint): every parameter allclose to the trained one."""
-    _check(dp2, "zero_to_fp32", strategy)
+    check(dp2, "zero_to_fp32", strategy)
 
 
 @all_strategies
@@ -758,7 +746,7 @@ def test_zero3_param_partitioning_base(dp2, strategy):
     ones (times the iteration count without zero_grad), a nonzero global norm, a step, and ZeRO-3
     holding nothing gathered afterwards. fp32 instead of fp16; the persistence-threshold, prefetch,
     contiguous-gradients, reduce_scatter and offload knobs have no equivalent."""
-    _check(dp2, "zero3_param_partitioning_base", strategy)
+    check(dp2, "zero3_param_partitioning_base", strategy)
 
 
 @all_strategies
@@ -767,7 +755,7 @@ def test_zero3_param_partitioning_large_param(dp2, strategy):
     (dp 2 instead of 4; zero.Init off). An 8100-element parameter initialised on rank 0 only (one
     value per partition): upstream checks the wrapper broadcasts rank 0's values, so every rank's
     activation equals the partition index; grads accumulate to (iteration + 1)."""
-    _check(dp2, "zero3_param_partitioning_large_param", strategy)
+    check(dp2, "zero3_param_partitioning_large_param", strategy)
 
 
 @all_strategies
@@ -777,7 +765,7 @@ def test_zero3_param_partitioning_many_params(dp2, strategy):
     written after wrapping inside summon_full_params(writeback=True) (upstream: GatheredParameters
     with modifier_rank=0). Upstream's fill (2 * layer * rank) makes every activation zero; ours is
     nonzero and checked against a plain reference, as are the grads (an upstream TODO)."""
-    _check(dp2, "zero3_param_partitioning_many_params", strategy)
+    check(dp2, "zero3_param_partitioning_many_params", strategy)
 
 
 def test_zero3_init_context():
@@ -804,7 +792,7 @@ def test_zero3_dict_fwd(dp2, strategy):
     """deepspeedai/DeepSpeed tests/unit/runtime/zero/test_zero.py::TestZero3DictFwd::test (tuple,
     list, dict with the non-tensor values 1 and None). The model is a unit inside a thin root so a
     unit and the root both return the container; 6 Adam steps vs the reference."""
-    _check(dp2, "zero3_dict_fwd", strategy)
+    check(dp2, "zero3_dict_fwd", strategy)
 
 
 @all_strategies
@@ -812,7 +800,7 @@ def test_zero_frozen_weights(dp2, strategy):
     """deepspeedai/DeepSpeed tests/unit/runtime/zero/test_zero.py::TestZeroFrozenWeights::test.
     l2 frozen before wrapping, the forward returns (x, loss); 6 Adam steps: weights vs the
     reference and the frozen layer unchanged."""
-    _check(dp2, "zero_frozen_weights", strategy)
+    check(dp2, "zero_frozen_weights", strategy)
 
 
 @all_strategies
@@ -821,7 +809,7 @@ def test_zero_adam_optimizer_step_count(dp2, strategy):
     (12 layers, 2-step accumulation; dp 2). After every optimizer step each optimizer-facing
     parameter has Adam state whose step count equals the number of steps taken (upstream's
     sub_group_size has no equivalent)."""
-    _check(dp2, "zero_adam_optimizer_step_count", strategy)
+    check(dp2, "zero_adam_optimizer_step_count", strategy)
 
 
 @all_strategies
@@ -830,14 +818,14 @@ def test_zero3_switch_modes(dp2, strategy):
     Epochs alternate a training pass (2-step accumulation) and an eval pass under no_grad; every
     eval loss and the final weights match the reference (2 epochs instead of 3; the prefetch ratio
     has no equivalent)."""
-    _check(dp2, "zero3_switch_modes", strategy)
+    check(dp2, "zero3_switch_modes", strategy)
 
 
 @all_strategies
 def test_zero3_client_module_id(dp2, strategy):
     """deepspeedai/DeepSpeed tests/unit/runtime/zero/test_zero.py::TestZero3ClientModuleID::test_client_module_id.
     A user attribute named ``id`` on the module survives wrapping; forward and backward run."""
-    _check(dp2, "zero3_client_module_id", strategy)
+    check(dp2, "zero3_client_module_id", strategy)
 
 
 @all_strategies
@@ -846,7 +834,7 @@ def test_zero_partition_cache(dp2, strategy):
     test_training_partition_cache (training True/False). Upstream empties the partition cache and
     expects no parameter elements left; our ZeRO-3 never caches: after training steps or no_grad
     forwards the module's weights hold no storage and no temporary is live. Only ZeRO-3 applies."""
-    _check(dp2, "zero_partition_cache", strategy)
+    check(dp2, "zero_partition_cache", strategy)
 
 
 @all_strategies
@@ -854,7 +842,7 @@ def test_empty_param_groups(dp2, strategy):
     """deepspeedai/DeepSpeed tests/unit/runtime/zero/test_zero.py::TestEmptyParameterGroup::test_empty_param_groups
     (client optimizer, fp32). An AdamW whose weight or bias param group is empty, over the
     optimizer-facing parameters: steps work and the next forward/backward runs."""
-    _check(dp2, "empty_param_groups", strategy)
+    check(dp2, "empty_param_groups", strategy)
 
 
 @all_strategies
@@ -865,7 +853,7 @@ def test_zero_element_param(dp2, strategy):
     units of their own too: two Adam steps match the reference, full_state_dict keeps every shape,
     and a save_checkpoint / load_checkpoint round trip into another init restores the weights and
     trains on. Offload and quantized-weight variants have no equivalent."""
-    _check(dp2, "zero_element_param", strategy)
+    check(dp2, "zero_element_param", strategy)
 
 
 @all_strategies
@@ -876,7 +864,7 @@ def test_zero2_shared_loss_gradient(dp2, strategy):
     wrapped model and a direct call of its inner Linear unit (upstream: engine(x) +
     engine.module(x')); the accumulated full grad matches the manual reference within upstream's
     rtol 5e-3, atol 2.0."""
-    _check(dp2, "zero2_shared_loss_gradient", strategy)
+    check(dp2, "zero2_shared_loss_gradient", strategy)
 
 
 @all_strategies
@@ -885,4 +873,4 @@ def test_zero_grad_clip(dp2, strategy):
     test_grad_clip_and_norm_update (bf16 with clip 0.05; fp32 with 0.5 in place of fp16; no
     offload). Clamping every local gradient shard in place (upstream: safe_set_local_grad) lowers
     the global norm model.clip_grad_norm_ reports, and the step runs."""
-    _check(dp2, "zero_grad_clip", strategy)
+    check(dp2, "zero_grad_clip", strategy)

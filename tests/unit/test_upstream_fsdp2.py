@@ -34,11 +34,10 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 import torch.nn.functional as F
 
-from megatron_fsdp_v2 import STRATEGY_NAMES, MixedPrecisionPolicy, export_full_state_dict, fully_shard
+from megatron_fsdp_v2 import MixedPrecisionPolicy, export_full_state_dict, fully_shard
 
-from .dist_utils import run_distributed
-from .upstream_common import (DoubleLinear, MLP, TinyTransformer, TransformerBlock, check_report,
-                              full_grads, run_cases)
+from .upstream_common import (DoubleLinear, MLP, TinyTransformer, TransformerBlock, all_strategies, check, full_grads,
+                              reports_fixture, run_cases)
 
 ITERS = 5      # upstream's 10-iteration loops, halved to bound CPU time on a 2-core box
 
@@ -47,15 +46,25 @@ def _adam(params, **kwargs):
     return torch.optim.Adam(params, lr=1e-2, **kwargs)
 
 
-def _train_pair(ctx, model, ref, opt, ref_opt, inputs, iters, label=""):
+def _wrap_with_reference(ctx, strategy, model, foreach=None, **shard_kwargs):
+    """(reference, opt, ref_opt): a plain copy of ``model`` taken before ``ctx.shard`` wraps it,
+    and Adam over each (``foreach`` for the wrapped model's)."""
+    ref = copy.deepcopy(model)
+    ctx.shard(model, strategy, **shard_kwargs)
+    return ref, _adam(model.parameters(), foreach=foreach), _adam(ref.parameters())
+
+
+def _train_pair(ctx, model, ref, opt, ref_opt, inputs, iters, label="", average_ref=True):
     """FSDP2's parity loop: zero_grad (set_to_none alternating), loss = output.sum(), backward,
-    step, for the reference (grads averaged by hand) and the wrapped model; losses must match."""
+    step, for the reference (grads averaged by hand unless ``average_ref`` is False) and the
+    wrapped model; losses must match."""
     for it in range(iters):
         inp = inputs(it)
         ref_opt.zero_grad(set_to_none=(it % 2 == 0))
         ref_loss = ref(inp).sum()
         ref_loss.backward()
-        ctx.average_grads(ref)
+        if average_ref:
+            ctx.average_grads(ref)
         ref_opt.step()
         opt.zero_grad(set_to_none=(it % 2 == 0))
         loss = model(inp).sum()
@@ -69,9 +78,7 @@ def case_train_parity_single_group(ctx, strategy):
     for shapes in ([(16, 15), (15, 8)], [(7, 15), (15, 3)], [(16, 17), (17, 8)]):
         torch.manual_seed(42)
         model = nn.Sequential(nn.Linear(*shapes[0]), nn.ReLU(), nn.Linear(*shapes[1]))
-        ref = copy.deepcopy(model)
-        ctx.shard(model, strategy)
-        opt, ref_opt = _adam(model.parameters()), _adam(ref.parameters())
+        ref, opt, ref_opt = _wrap_with_reference(ctx, strategy, model)
         torch.manual_seed(42 + ctx.rank + 1)
         inp = torch.randn(4, shapes[0][0])
         _train_pair(ctx, model, ref, opt, ref_opt, lambda it: inp, ITERS, label=f"{shapes} ")
@@ -81,9 +88,7 @@ def case_train_parity_single_group(ctx, strategy):
 def case_train_parity_multi_group(ctx, strategy):
     torch.manual_seed(42)
     model = TinyTransformer(vocab=64, layers=3)
-    ref = copy.deepcopy(model)
-    ctx.shard(model, strategy, unit_modules=[TransformerBlock])
-    opt, ref_opt = _adam(model.parameters()), _adam(ref.parameters())
+    ref, opt, ref_opt = _wrap_with_reference(ctx, strategy, model, unit_modules=[TransformerBlock])
     torch.manual_seed(42 + ctx.rank + 1)
     inputs = [torch.randint(0, 64, (3, 8)) for _ in range(ITERS)]
     _train_pair(ctx, model, ref, opt, ref_opt, lambda it: inputs[it], ITERS)
@@ -107,9 +112,7 @@ class MultiForwardModule(nn.Module):
 def case_multi_forward_module(ctx, strategy):
     torch.manual_seed(42)
     model = MultiForwardModule()
-    ref = copy.deepcopy(model)
-    ctx.shard(model, strategy, unit_modules=[InnerLinear])
-    opt, ref_opt = _adam(model.parameters()), _adam(ref.parameters())
+    ref, opt, ref_opt = _wrap_with_reference(ctx, strategy, model, unit_modules=[InnerLinear])
     torch.manual_seed(42 + ctx.rank)
     inp = torch.randn(32, 4)
     _train_pair(ctx, model, ref, opt, ref_opt, lambda it: inp, ITERS)
@@ -119,9 +122,7 @@ def case_multi_forward_module(ctx, strategy):
 def case_non_root_forward_backward(ctx, strategy):
     torch.manual_seed(42)
     model = nn.Sequential(*[MLP(32) for _ in range(3)])
-    ref = copy.deepcopy(model)
-    ctx.shard(model, strategy, unit_modules=[MLP])
-    opt, ref_opt = _adam(model.parameters(), foreach=True), _adam(ref.parameters())
+    ref, opt, ref_opt = _wrap_with_reference(ctx, strategy, model, unit_modules=[MLP], foreach=True)
     torch.manual_seed(42 + ctx.rank)
     inp = torch.randn(8, 32)
 
@@ -154,9 +155,7 @@ def case_train_parity_with_shared_params(ctx, strategy):
     for checkpoint_blocks in (False, True):
         torch.manual_seed(42)
         model = TinyTransformer(vocab=64, layers=3, tie=True, checkpoint_blocks=checkpoint_blocks)
-        ref = copy.deepcopy(model)
-        ctx.shard(model, strategy, unit_modules=[TransformerBlock])
-        opt, ref_opt = _adam(model.parameters()), _adam(ref.parameters())
+        ref, opt, ref_opt = _wrap_with_reference(ctx, strategy, model, unit_modules=[TransformerBlock])
         torch.manual_seed(42 + ctx.rank + 1)
         inputs = [torch.randint(0, 64, (2, 8)) for _ in range(ITERS)]
         _train_pair(ctx, model, ref, opt, ref_opt, lambda it: inputs[it], ITERS, label=f"ckpt={checkpoint_blocks} ")
@@ -200,9 +199,7 @@ def case_train_shared_params_uneven_shard(ctx, strategy):
 def case_gradient_accumulation(ctx, strategy):
     torch.manual_seed(42)
     model = nn.Sequential(nn.Linear(32, 32), *[MLP(32) for _ in range(3)])
-    ref = copy.deepcopy(model)
-    ctx.shard(model, strategy, unit_modules=[MLP])
-    opt, ref_opt = _adam(model.parameters()), _adam(ref.parameters())
+    ref, opt, ref_opt = _wrap_with_reference(ctx, strategy, model, unit_modules=[MLP])
     grads_sharded = strategy in ("optim_grads", "optim_grads_params")
     torch.manual_seed(42 + ctx.rank + 1)
     for it in range(5):
@@ -335,9 +332,7 @@ def _snapshot(grad):
 def case_partial_group_forward_then_standalone(ctx, strategy):
     torch.manual_seed(42)
     model = ChunkedHeadModel()
-    ref = copy.deepcopy(model)
-    ctx.shard(model, strategy, unit_modules=[HeadLinear])
-    opt, ref_opt = _adam(model.parameters()), _adam(ref.parameters())
+    ref, opt, ref_opt = _wrap_with_reference(ctx, strategy, model, unit_modules=[HeadLinear])
     head_main = dict(model.named_parameters())["head.weight"]
     torch.manual_seed(42)
     tokens = torch.randint(0, 32, (2, 16))
@@ -474,16 +469,7 @@ def case_train_parity_single_worldsize1(ctx, strategy):
             opt, ref_opt = _adam(model.parameters()), _adam(ref.parameters())
             torch.manual_seed(42 + ctx.rank + 1)
             inp = torch.randn(4, shapes[0][0])
-            for it in range(ITERS):
-                ref_opt.zero_grad(set_to_none=(it % 2 == 0))
-                ref_loss = ref(inp).sum()
-                ref_loss.backward()
-                ref_opt.step()
-                opt.zero_grad(set_to_none=(it % 2 == 0))
-                loss = model(inp).sum()
-                loss.backward()
-                opt.step()
-                ctx.checks.close(f"{shapes} iter {it} loss", loss.detach(), ref_loss.detach())
+            _train_pair(ctx, model, ref, opt, ref_opt, lambda it: inp, ITERS, label=f"{shapes} ", average_ref=False)
             full = model.full_state_dict()
             for name, want in ref.state_dict().items():
                 ctx.checks.close(f"{shapes} {name}", full[name], want)
@@ -504,6 +490,32 @@ def _divide_grads(ref, world):
             p.grad.div_(world)
 
 
+def _close_summed_loss(ctx, label, loss, ref_loss):
+    """This rank's loss summed over the group against the reference's global-batch loss."""
+    total = loss.detach().clone()
+    dist.all_reduce(total, group=ctx.group)
+    ctx.checks.close(label, total, ref_loss.detach())
+
+
+def _global_batch_parity(ctx, model, ref, opt, ref_opt, label="", check_grads=False):
+    """Upstream's autograd-test loop: ITERS iterations of the reference on the global batch (grads
+    / dp) and the wrapped model on this rank's slice, the summed loss checked (and the full grads,
+    with ``check_grads``) before both optimizers step and zero_grad(set_to_none=iter % 2)."""
+    torch.manual_seed(1)      # same on all ranks
+    for it in range(ITERS):
+        global_inp, local_inp = _global_and_local(ctx, 2, 24)
+        ref_loss, loss = ref(global_inp).sum(), model(local_inp).sum()
+        ref_loss.backward()
+        loss.backward()
+        _divide_grads(ref, ctx.world)
+        _close_summed_loss(ctx, f"{label}iter {it} loss", loss, ref_loss)
+        if check_grads:
+            ctx.checks.grads(model, ref, ctx.group, label=f"{label}iter {it} grads")
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad(set_to_none=bool(it % 2))
+
+
 class UnitLinear(nn.Linear):
     """A Linear that is its own unit."""
 
@@ -519,9 +531,7 @@ def _double_linear(use_second_linear, first_unit, second_unit):
 def case_unused_forward_output(ctx, strategy):
     torch.manual_seed(42)
     model = _double_linear(True, True, False)       # lin1 its own unit, lin2 in the root
-    ref = copy.deepcopy(model)
-    ctx.shard(model, strategy, unit_modules=[UnitLinear])
-    opt, ref_opt = _adam(model.parameters()), _adam(ref.parameters())
+    ref, opt, ref_opt = _wrap_with_reference(ctx, strategy, model, unit_modules=[UnitLinear])
     torch.manual_seed(1)      # same on all ranks
     for it in range(ITERS):
         global_inp, local_inp = _global_and_local(ctx, 2, 24)
@@ -534,9 +544,7 @@ def case_unused_forward_output(ctx, strategy):
         ref_loss.backward()
         _divide_grads(ref, ctx.world)
         ref_opt.step()
-        total = loss.detach().clone()
-        dist.all_reduce(total, group=ctx.group)
-        ctx.checks.close(f"iter {it} loss", total, ref_loss.detach())
+        _close_summed_loss(ctx, f"iter {it} loss", loss, ref_loss)
         opt.zero_grad(set_to_none=bool(it % 2))
         ref_opt.zero_grad(set_to_none=bool(it % 2))
         ctx.checks.weights(model, ref, label=f"iter {it}")
@@ -545,23 +553,8 @@ def case_unused_forward_output(ctx, strategy):
 def case_unused_forward_module(ctx, strategy):
     torch.manual_seed(42)
     model = _double_linear(False, True, True)       # lin2 is a unit that never runs
-    ref = copy.deepcopy(model)
-    ctx.shard(model, strategy, unit_modules=[UnitLinear])
-    opt, ref_opt = _adam(model.parameters()), _adam(ref.parameters())
-    torch.manual_seed(1)
-    for it in range(ITERS):
-        global_inp, local_inp = _global_and_local(ctx, 2, 24)
-        ref_loss, loss = ref(global_inp).sum(), model(local_inp).sum()
-        ref_loss.backward()
-        loss.backward()
-        _divide_grads(ref, ctx.world)
-        total = loss.detach().clone()
-        dist.all_reduce(total, group=ctx.group)
-        ctx.checks.close(f"iter {it} loss", total, ref_loss.detach())
-        ctx.checks.grads(model, ref, ctx.group, label=f"iter {it} grads")
-        for o in (opt, ref_opt):
-            o.step()
-            o.zero_grad(set_to_none=bool(it % 2))
+    ref, opt, ref_opt = _wrap_with_reference(ctx, strategy, model, unit_modules=[UnitLinear])
+    _global_batch_parity(ctx, model, ref, opt, ref_opt, check_grads=True)
     ctx.checks.weights(model, ref)
 
 
@@ -623,22 +616,8 @@ def case_nontensor_activations(ctx, strategy):
         torch.manual_seed(42)
         model = nn.Sequential(ToContainer(kind), ContainerModule(24), ContainerModule(24), ContainerModule(24),
                               FromContainer(kind))
-        ref = copy.deepcopy(model)
-        ctx.shard(model, strategy, unit_modules=[ContainerModule])
-        opt, ref_opt = _adam(model.parameters()), _adam(ref.parameters())
-        torch.manual_seed(1)
-        for it in range(ITERS):
-            global_inp, local_inp = _global_and_local(ctx, 2, 24)
-            ref_loss, loss = ref(global_inp).sum(), model(local_inp).sum()
-            ref_loss.backward()
-            loss.backward()
-            _divide_grads(ref, ctx.world)
-            total = loss.detach().clone()
-            dist.all_reduce(total, group=ctx.group)
-            ctx.checks.close(f"{kind} iter {it} loss", total, ref_loss.detach())
-            for o in (opt, ref_opt):
-                o.step()
-                o.zero_grad(set_to_none=bool(it % 2))
+        ref, opt, ref_opt = _wrap_with_reference(ctx, strategy, model, unit_modules=[ContainerModule])
+        _global_batch_parity(ctx, model, ref, opt, ref_opt, label=f"{kind} ")
         ctx.checks.weights(model, ref, label=kind)
 
 
@@ -655,9 +634,7 @@ def case_train_mixed_requires_grad_per_group(ctx, strategy):
         model = nn.Sequential(*[MLP(32) for _ in range(3)])
         if not freeze_after_init:          # BitFit: train the biases only
             _freeze(model.named_parameters(), lambda n: "bias" in n)
-        ref = copy.deepcopy(model)
-        ctx.shard(model, strategy, unit_modules=[MLP])
-        opt, ref_opt = _adam(model.parameters()), _adam(ref.parameters())
+        ref, opt, ref_opt = _wrap_with_reference(ctx, strategy, model, unit_modules=[MLP])
         if freeze_after_init:              # the parameters the optimizer sees, after wrapping
             _freeze(model.named_parameters(), lambda n: "bias" in n)
             _freeze(ref.named_parameters(), lambda n: "bias" in n)
@@ -675,9 +652,7 @@ def case_train_mixed_requires_grad_across_groups(ctx, strategy):
         for _ in range(6):
             layers += [nn.Linear(32, 32), nn.ReLU()]
         model = nn.Sequential(*layers)
-        ref = copy.deepcopy(model)
-        ctx.shard(model, strategy, unit_modules=[nn.Linear])
-        opt, ref_opt = _adam(model.parameters()), _adam(ref.parameters())
+        ref, opt, ref_opt = _wrap_with_reference(ctx, strategy, model, unit_modules=[nn.Linear])
         # upstream's helper freezes seq[0] only (it indexes seq[i % 2] for even i)
         frozen = ("0.weight", "0.bias")
         _freeze(model.named_parameters(), lambda n: n not in frozen)
@@ -726,9 +701,7 @@ class MixedRequiresGradModule(nn.Module):
 def case_multi_forward_mixed_requires_grad(ctx, strategy):
     torch.manual_seed(42)
     model = MixedRequiresGradModule()
-    ref = copy.deepcopy(model)
-    ctx.shard(model, strategy, unit_modules=[nn.Linear])
-    opt, ref_opt = _adam(model.parameters()), _adam(ref.parameters())
+    ref, opt, ref_opt = _wrap_with_reference(ctx, strategy, model, unit_modules=[nn.Linear])
     inputs = [torch.randn(8, 5) for _ in range(ITERS)]
     _train_pair(ctx, model, ref, opt, ref_opt, lambda it: inputs[it], ITERS)
     ctx.checks.weights(model, ref)
@@ -738,9 +711,9 @@ def case_multi_forward_mixed_requires_grad(ctx, strategy):
 def _mp_models(ctx, strategy, policy):
     torch.manual_seed(42)
     model = nn.Sequential(*[MLP(16) for _ in range(3)])
-    ref = copy.deepcopy(model)
-    ctx.shard(model, strategy, unit_modules=[MLP], mixed_precision=policy)
-    return model, ref, _adam(model.parameters(), foreach=True), _adam(ref.parameters())
+    ref, opt, ref_opt = _wrap_with_reference(ctx, strategy, model, foreach=True, unit_modules=[MLP],
+                                             mixed_precision=policy)
+    return model, ref, opt, ref_opt
 
 
 def _low_precision_reference_step(ctx, ref, ref_low, ref_opt, reduce_dtype):
@@ -759,47 +732,40 @@ def _low_precision_reference_step(ctx, ref, ref_low, ref_opt, reduce_dtype):
             plow.copy_(p32)
 
 
+def _mixed_precision_parity(ctx, strategy, param_dtype, reduce_dtype, label, check_loss_dtype=False):
+    """MLP units under ``param_dtype`` compute and ``reduce_dtype`` gradient reduction against the
+    low-precision reference (``_low_precision_reference_step``): the loss every iteration (and its
+    dtype, with ``check_loss_dtype``), the fp32 weights at the end."""
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, grad_comm_dtype=reduce_dtype)
+    model, ref, opt, ref_opt = _mp_models(ctx, strategy, policy)
+    ref_low = copy.deepcopy(ref).to(param_dtype)
+    torch.manual_seed(42 + ctx.rank + 1)
+    inp = torch.randn(4, 16, dtype=param_dtype)
+    for it in range(ITERS):
+        opt.zero_grad(set_to_none=(it % 2 == 0))
+        loss = model(inp).sum()
+        loss.backward()
+        opt.step()
+        ref_opt.zero_grad(set_to_none=(it % 2 == 0))
+        ref_loss = ref_low(inp).sum()
+        ref_loss.backward()
+        _low_precision_reference_step(ctx, ref, ref_low, ref_opt, reduce_dtype)
+        ctx.checks.close(f"{label} iter {it} loss", loss.detach(), ref_loss.detach())
+        if check_loss_dtype:
+            ctx.checks.true(loss.dtype == param_dtype, f"{label}: loss dtype {loss.dtype}")
+    ctx.checks.weights(model, ref, label=label)
+
+
 def case_compute_dtype(ctx, strategy):
     for param_dtype in (torch.bfloat16, torch.float16):
-        policy = MixedPrecisionPolicy(param_dtype=param_dtype, grad_comm_dtype=param_dtype)
-        model, ref, opt, ref_opt = _mp_models(ctx, strategy, policy)
-        ref_low = copy.deepcopy(ref).to(param_dtype)
-        torch.manual_seed(42 + ctx.rank + 1)
-        inp = torch.randn(4, 16, dtype=param_dtype)
-        for it in range(ITERS):
-            opt.zero_grad(set_to_none=(it % 2 == 0))
-            loss = model(inp).sum()
-            loss.backward()
-            opt.step()
-            ref_opt.zero_grad(set_to_none=(it % 2 == 0))
-            ref_loss = ref_low(inp).sum()
-            ref_loss.backward()
-            _low_precision_reference_step(ctx, ref, ref_low, ref_opt, param_dtype)
-            ctx.checks.close(f"{param_dtype} iter {it} loss", loss.detach(), ref_loss.detach())
-            ctx.checks.true(loss.dtype == param_dtype, f"{param_dtype}: loss dtype {loss.dtype}")
-        ctx.checks.weights(model, ref, label=str(param_dtype))
+        _mixed_precision_parity(ctx, strategy, param_dtype, param_dtype, str(param_dtype), check_loss_dtype=True)
 
 
 def case_reduce_dtype(ctx, strategy):
     # bf16 compute with fp32 reduction, then fp32 compute with bf16 reduction
     for param_dtype, reduce_dtype in ((torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)):
-        policy = MixedPrecisionPolicy(param_dtype=param_dtype, grad_comm_dtype=reduce_dtype)
-        model, ref, opt, ref_opt = _mp_models(ctx, strategy, policy)
-        ref_low = copy.deepcopy(ref).to(param_dtype)
-        torch.manual_seed(42 + ctx.rank + 1)
-        inp = torch.randn(4, 16, dtype=param_dtype)
-        label = f"compute {param_dtype} reduce {reduce_dtype}"
-        for it in range(ITERS):
-            opt.zero_grad(set_to_none=(it % 2 == 0))
-            loss = model(inp).sum()
-            loss.backward()
-            opt.step()
-            ref_opt.zero_grad(set_to_none=(it % 2 == 0))
-            ref_loss = ref_low(inp).sum()
-            ref_loss.backward()
-            _low_precision_reference_step(ctx, ref, ref_low, ref_opt, reduce_dtype)
-            ctx.checks.close(f"{label} iter {it} loss", loss.detach(), ref_loss.detach())
-        ctx.checks.weights(model, ref, label=label)
+        _mixed_precision_parity(ctx, strategy, param_dtype, reduce_dtype,
+                                f"compute {param_dtype} reduce {reduce_dtype}")
 
 
 def case_grad_acc_with_reduce_dtype(ctx, strategy):
@@ -999,9 +965,7 @@ def case_clip_grad_norm_1d(ctx, strategy):
     for norm_type in (2.0, 1.0, float("inf")):
         torch.manual_seed(42)
         model = TinyTransformer(vocab=64)
-        ref = copy.deepcopy(model)
-        ctx.shard(model, strategy, unit_modules=[TransformerBlock])
-        opt, ref_opt = _adam(model.parameters()), _adam(ref.parameters())
+        ref, opt, ref_opt = _wrap_with_reference(ctx, strategy, model, unit_modules=[TransformerBlock])
         torch.manual_seed(42 + ctx.rank + 1)
         inp = torch.randint(0, 64, (3, 8))
         label = f"norm {norm_type}"
@@ -1074,37 +1038,15 @@ DP4_CASES = [case_train_parity_single_group, case_train_parity_multi_group, case
 
 
 def fsdp2_worker(rank, world_size, root, only=None):
-    cases = DP2_CASES if world_size == 2 else DP4_CASES
-    cases = [c for c in cases if only is None or c.__name__.removeprefix("case_") in only]
-    with_root = [("dp_state_dict_save_load", lambda ctx, s: case_dp_state_dict_save_load(ctx, s, root)),
-                 ("rank0_offload_full_state_dict", lambda ctx, s: case_rank0_offload_full_state_dict(ctx, s, root))]
+    cases = list(DP2_CASES if world_size == 2 else DP4_CASES)
     if world_size == 2:
-        cases += [c for c in with_root if only is None or c[0] in only]
-    return run_cases(rank, world_size, cases)
+        cases += [("dp_state_dict_save_load", lambda ctx, s: case_dp_state_dict_save_load(ctx, s, root)),
+                  ("rank0_offload_full_state_dict", lambda ctx, s: case_rank0_offload_full_state_dict(ctx, s, root))]
+    return run_cases(rank, world_size, cases, only=only)
 
 
-_ONLY = os.environ.get("UPSTREAM_ONLY")      # debugging: run a comma-separated subset of cases
-
-
-@pytest.fixture(scope="module")
-def dp2(tmp_path_factory):
-    return run_distributed(fsdp2_worker, 2, str(tmp_path_factory.mktemp("fsdp2")),
-                           _ONLY.split(",") if _ONLY else None, timeout=600.0)
-
-
-@pytest.fixture(scope="module")
-def dp4(tmp_path_factory):
-    return run_distributed(fsdp2_worker, 4, str(tmp_path_factory.mktemp("fsdp2_dp4")),
-                           _ONLY.split(",") if _ONLY else None, timeout=600.0)
-
-
-def _check(reports, name, strategy):
-    if (name, strategy) not in reports[0]:
-        pytest.skip("not selected by UPSTREAM_ONLY")
-    check_report(reports, name, strategy)
-
-
-all_strategies = pytest.mark.parametrize("strategy", STRATEGY_NAMES)
+dp2 = reports_fixture(fsdp2_worker, 2, "fsdp2")
+dp4 = reports_fixture(fsdp2_worker, 4, "fsdp2_dp4")
 
 
 # ---------------------------------------------------------------- test_fully_shard_training.py
@@ -1117,7 +1059,7 @@ def test_train_parity_single_group(request, dp, strategy):
     pairs, the whole model one unit, Adam iterations with set_to_none alternating; losses every
     iteration and final full weights vs the replicated reference. The shard_largest_dim variant has
     no equivalent (our shards are flat ranges, not a chosen tensor dim)."""
-    _check(request.getfixturevalue(f"dp{dp}"), "train_parity_single_group", strategy)
+    check(request.getfixturevalue(f"dp{dp}"), "train_parity_single_group", strategy)
 
 
 @all_strategies
@@ -1128,7 +1070,7 @@ def test_train_parity_multi_group(request, dp, strategy):
     fully_shard per block + root) -> our TinyTransformer with unit_modules=[TransformerBlock];
     reshard_after_forward True/False/2 -> the four strategies; the delay_* / unshard_async_op
     subtests only perturb CUDA stream timing and have no CPU equivalent."""
-    _check(request.getfixturevalue(f"dp{dp}"), "train_parity_multi_group", strategy)
+    check(request.getfixturevalue(f"dp{dp}"), "train_parity_multi_group", strategy)
 
 
 def test_train_parity_multi_group_cpu_offload_eager():
@@ -1143,7 +1085,7 @@ def test_multi_forward_module(dp2, strategy):
     """pytorch/pytorch test/distributed/_composable/fsdp/test_fully_shard_training.py::
     TestFullyShard1DTrainingCore::test_multi_forward_module. The inner Linear (its own unit) runs
     twice per forward; Adam iterations of loss parity and final weights vs the reference."""
-    _check(dp2, "multi_forward_module", strategy)
+    check(dp2, "multi_forward_module", strategy)
 
 
 @all_strategies
@@ -1152,7 +1094,7 @@ def test_non_root_forward_backward(dp2, strategy):
     TestFullyShard1DTrainingCore::test_non_root_forward_backward. A step through the root, then a
     forward/backward/step through model[0] (a non-root unit) alone; the MLPs it skips must keep
     .grad None (reference: plain model, grads averaged by hand, Adam skips None grads)."""
-    _check(dp2, "non_root_forward_backward", strategy)
+    check(dp2, "non_root_forward_backward", strategy)
 
 
 def test_explicit_prefetching():
@@ -1168,7 +1110,7 @@ def test_train_parity_with_shared_params(dp2, strategy):
     TestFullyShardSharedParams::test_train_parity_with_shared_params. Weight-tied TinyTransformer
     (embedding == output head), blocks as units, with and without activation checkpointing
     (torch.utils.checkpoint in place of composable checkpoint); Adam iterations of loss parity."""
-    _check(dp2, "train_parity_with_shared_params", strategy)
+    check(dp2, "train_parity_with_shared_params", strategy)
 
 
 @all_strategies
@@ -1178,7 +1120,7 @@ def test_train_shared_params_uneven_shard(dp2, strategy):
     vocab = 4 * dp + 1 (uneven shards); after ITERS AdamW steps every row of the tied weight changed,
     read on the module as upstream does between unshard() and reshard() -> inside
     summon_full_params(); full_state_dict holds the same values under both tied names."""
-    _check(dp2, "train_shared_params_uneven_shard", strategy)
+    check(dp2, "train_shared_params_uneven_shard", strategy)
 
 
 def test_shared_params_separate_fsdp_groups_error():
@@ -1199,7 +1141,7 @@ def test_gradient_accumulation(request, dp, strategy):
     gradient collective inside no_sync for no_shard/optim, one per micro-batch for ZeRO-2/3).
     Modes root_only/some_mlps (per-module sync flags), reshard_after_backward, CPU offload and the
     HSDP mesh have no equivalent."""
-    _check(request.getfixturevalue(f"dp{dp}"), "gradient_accumulation", strategy)
+    check(request.getfixturevalue(f"dp{dp}"), "gradient_accumulation", strategy)
 
 
 @all_strategies
@@ -1208,7 +1150,7 @@ def test_1f1b_microbatching(dp2, strategy):
     TestFullyShardGradientAccumulation::test_1f1b_microbatching. Three micro-batches of
     forward+backward with sync only on the last (no_sync), one AdamW step, weights vs reference.
     The explicit unshard(async_op=True) before the loop has no public equivalent and is omitted."""
-    _check(dp2, "1f1b_microbatching", strategy)
+    check(dp2, "1f1b_microbatching", strategy)
 
 
 @all_strategies
@@ -1219,7 +1161,7 @@ def test_double_forward_with_nested_fsdp_and_checkpoint(dp2, strategy):
     composable); every parameter gets a grad (upstream's check) and the full grads match the
     reference. Upstream's nesting of attention/feed-forward inside each block unit is flattened
     to one unit per block."""
-    _check(dp2, "double_forward_with_nested_fsdp_and_checkpoint", strategy)
+    check(dp2, "double_forward_with_nested_fsdp_and_checkpoint", strategy)
 
 
 @all_strategies
@@ -1228,7 +1170,7 @@ def test_double_partial_forward_then_backward(dp2, strategy):
     TestFullyShard1DTrainingCompose::test_double_partial_forward_then_backward. Two
     model(x, skip_head=True) calls, one backward; embed/norm grads set and finite, the unused head
     (its own unit; upstream groups [norm, head]) keeps .grad None; full grads vs the reference."""
-    _check(dp2, "double_partial_forward_then_backward", strategy)
+    check(dp2, "double_partial_forward_then_backward", strategy)
 
 
 @all_strategies
@@ -1241,7 +1183,7 @@ def test_partial_group_forward_then_standalone(dp2, strategy):
     Not ported: the bf16 output_dtype modes (no output_dtype in our policy) and weight tying (a
     tied head weight belongs to the root unit, which ZeRO-3 reshards after the root forward, so the
     head cannot run standalone)."""
-    _check(dp2, "partial_group_forward_then_standalone", strategy)
+    check(dp2, "partial_group_forward_then_standalone", strategy)
 
 
 @all_strategies
@@ -1250,7 +1192,7 @@ def test_partial_group_forward_grad_accum_chunked(dp2, strategy):
     TestFullyShard1DTrainingCompose::test_partial_group_forward_grad_accum_chunked. Three
     micro-batches (no_sync on the first two) of the chunked loss above, two chunks each; the
     accumulated full grads vs the reference (upstream compares grouped against ungrouped FSDP)."""
-    _check(dp2, "partial_group_forward_grad_accum_chunked", strategy)
+    check(dp2, "partial_group_forward_grad_accum_chunked", strategy)
 
 
 def test_partial_group_reshard_toggle():
@@ -1266,7 +1208,7 @@ def test_reset_iter_state_after_exception(dp2, strategy):
     TestFullyShard1DTrainingCompose::test_reset_iter_state_after_exception. A forward that raises
     inside the root, then a full forward/backward: it completes and every grad is set (and matches
     the reference). We have no reset_iter_state(); recovery must need no call at all."""
-    _check(dp2, "reset_iter_state_after_exception", strategy)
+    check(dp2, "reset_iter_state_after_exception", strategy)
 
 
 @all_strategies
@@ -1278,7 +1220,7 @@ def test_train_parity_with_activation_checkpointing(dp2, strategy):
     without the wrapper prefix); module_grouping "block". Adam iterations: full grads after
     the first and last backward, loss, final weights vs the reference (4 iterations). The mem_eff
     grouping (lists of modules as one group) has no equivalent."""
-    _check(dp2, "train_parity_with_activation_checkpointing", strategy)
+    check(dp2, "train_parity_with_activation_checkpointing", strategy)
 
 
 @all_strategies
@@ -1288,7 +1230,7 @@ def test_to_float64_after_init(dp2, strategy):
     supported (dtypes are fixed when the flat buffers are built), so the model is cast to float64
     before wrapping; main weights and grads are float64 and Adam iterations match the float64
     reference."""
-    _check(dp2, "to_float64_after_init", strategy)
+    check(dp2, "to_float64_after_init", strategy)
 
 
 @all_strategies
@@ -1297,7 +1239,7 @@ def test_train_parity_single_worldsize1(dp2, strategy):
     TestFullyShardWorldSize1::test_train_parity_single_worldsize1. Each rank wraps on its own
     1-rank group; Adam iterations equal a plain model's. Upstream's zero-collective count is not
     asserted (collectives on a 1-rank group are allowed here)."""
-    _check(dp2, "train_parity_single_worldsize1", strategy)
+    check(dp2, "train_parity_single_worldsize1", strategy)
 
 
 def test_register_fsdp_forward_method():
@@ -1322,7 +1264,7 @@ def test_unused_forward_output(dp2, strategy):
     root) returns two outputs; after 3 iterations only the first feeds the loss. Reference: the
     global batch on a plain model, grads / dp; all-reduced loss and full weights every iteration;
     zero_grad(set_to_none=iter % 2) as upstream."""
-    _check(dp2, "unused_forward_output", strategy)
+    check(dp2, "unused_forward_output", strategy)
 
 
 @all_strategies
@@ -1330,7 +1272,7 @@ def test_unused_forward_module(dp2, strategy):
     """pytorch/pytorch test/distributed/_composable/fsdp/test_fully_shard_autograd.py::
     TestFullyShardAutograd::test_unused_forward_module. lin2 is a unit that never runs: its grad
     stays None like the reference's; loss, full grads and weights every iteration."""
-    _check(dp2, "unused_forward_module", strategy)
+    check(dp2, "unused_forward_module", strategy)
 
 
 @all_strategies
@@ -1339,7 +1281,7 @@ def test_nontensor_activations(dp2, strategy):
     TestFullyShardAutograd::test_nontensor_activations. Units take and return list, namedtuple,
     tuple and dict activations (plus a dataclass, beyond upstream); iterations of loss parity
     against the global-batch reference, then full weights."""
-    _check(dp2, "nontensor_activations", strategy)
+    check(dp2, "nontensor_activations", strategy)
 
 
 def test_post_acc_grad_hook_runs():
@@ -1359,7 +1301,7 @@ def test_train_mixed_requires_grad_per_group(dp2, strategy):
     with frozen and trainable parameters in the same units, frozen before wrapping and (after
     wrapping) through model.named_parameters(); Adam iterations of loss parity, final weights.
     The reduce-scatter numel and autograd-function call counts are FSDP2 internals (omitted)."""
-    _check(dp2, "train_mixed_requires_grad_per_group", strategy)
+    check(dp2, "train_mixed_requires_grad_per_group", strategy)
 
 
 @all_strategies
@@ -1368,7 +1310,7 @@ def test_train_mixed_requires_grad_across_groups(dp2, strategy):
     TestFullyShardFrozen::test_train_mixed_requires_grad_across_groups. Six Linear units, the
     first frozen after wrapping (upstream's helper freezes only seq[0]), an iteration under
     no_grad in between, optionally unfrozen for the last iteration; losses every iteration."""
-    _check(dp2, "train_mixed_requires_grad_across_groups", strategy)
+    check(dp2, "train_mixed_requires_grad_across_groups", strategy)
 
 
 @all_strategies
@@ -1377,7 +1319,7 @@ def test_multi_forward_mixed_requires_grad(dp2, strategy):
     TestFullyShardFrozen::test_multi_forward_mixed_requires_grad. A frozen and a trainable Linear
     unit each run several times per forward, the trainable one also under no_grad; Adam
     iterations of loss parity and final weights."""
-    _check(dp2, "multi_forward_mixed_requires_grad", strategy)
+    check(dp2, "multi_forward_mixed_requires_grad", strategy)
 
 
 # ---------------------------------------------------------------- test_fully_shard_mixed_precision.py
@@ -1388,7 +1330,7 @@ def test_compute_dtype(dp2, strategy):
     reduction in param_dtype (upstream's reduce_dtype=None), fp32 master weights: reference is a
     low-precision copy whose grads are reduced in that dtype, stepped by fp32 Adam and copied
     back; loss (low-precision tolerance) and fp32 weights every iteration's end."""
-    _check(dp2, "compute_dtype", strategy)
+    check(dp2, "compute_dtype", strategy)
 
 
 @all_strategies
@@ -1396,7 +1338,7 @@ def test_reduce_dtype(dp2, strategy):
     """pytorch/pytorch test/distributed/_composable/fsdp/test_fully_shard_mixed_precision.py::
     TestFullyShardMixedPrecisionTraining::test_reduce_dtype (fp32 reduction of bf16 compute, and
     bf16 reduction of fp32 compute) via MixedPrecisionPolicy.grad_comm_dtype."""
-    _check(dp2, "reduce_dtype", strategy)
+    check(dp2, "reduce_dtype", strategy)
 
 
 @all_strategies
@@ -1405,7 +1347,7 @@ def test_grad_acc_with_reduce_dtype(dp2, strategy):
     TestFullyShardMixedPrecisionTraining::test_grad_acc_with_reduce_dtype. bf16 compute, fp32
     reduction, 4 micro-batches (no_sync on the first three): grads accumulate in fp32; per
     micro-batch bf16 loss parity and fp32 weights vs the fp32-accumulating reference."""
-    _check(dp2, "grad_acc_with_reduce_dtype", strategy)
+    check(dp2, "grad_acc_with_reduce_dtype", strategy)
 
 
 @all_strategies
@@ -1416,7 +1358,7 @@ def test_norm_modules(dp2, strategy):
     Upstream expects BatchNorm2d backward to fail (fp16/bf16 BN weights against fp32 running
     stats); our policy keeps BatchNorm parameters in fp32, so all three must run forward and
     backward, with low-precision outputs and fp32 BatchNorm weights."""
-    _check(dp2, "norm_modules", strategy)
+    check(dp2, "norm_modules", strategy)
 
 
 @all_strategies
@@ -1426,7 +1368,7 @@ def test_float16_on_one_submodule(dp2, strategy):
     its own input). fully_shard(model.c2, fp16 policy) then fully_shard(model): c2 computes with
     fp16 weights, c1 with fp32, and backward gives every parameter a grad. Subtests 1 and 3 rely
     on FSDP2 casting inputs/outputs (cast_forward_inputs, output_dtype), which we do not."""
-    _check(dp2, "float16_on_one_submodule", strategy)
+    check(dp2, "float16_on_one_submodule", strategy)
 
 
 def test_clamp_reduce_dtype():
@@ -1441,7 +1383,7 @@ def test_dataclass_input(dp2, strategy):
     """pytorch/pytorch test/distributed/_composable/fsdp/test_fully_shard_mixed_precision.py::
     TestFullyShardMixedPrecisionCasts::test_dataclass_input. A dataclass forward input under a
     bf16 policy (its tensor already bf16: we do not cast inputs); forward and backward work."""
-    _check(dp2, "dataclass_input", strategy)
+    check(dp2, "dataclass_input", strategy)
 
 
 # ---------------------------------------------------------------- test_fully_shard_state_dict.py
@@ -1454,7 +1396,7 @@ def test_dp_state_dict_save_load(dp2, strategy):
     (full tensors filled with 42; upstream's 42 + rank would make no_shard replicas disagree) is
     seen by the parameters, full_state_dict and the next forward; a DCP save/load round trip
     restores the earlier values. HSDP mesh and shard_placement_fn variants have no equivalent."""
-    _check(dp2, "dp_state_dict_save_load", strategy)
+    check(dp2, "dp_state_dict_save_load", strategy)
 
 
 def test_dp_state_dict_cpu_offload():
@@ -1476,7 +1418,7 @@ def test_rank0_offload_full_state_dict(dp2, strategy):
     TestFullyShardStateDictMultiThread::test_rank0_offload_full_state_dict. full_state_dict()
     has the reference's keys in the same order and its exact values; export_full_state_dict on
     rank 0 writes a CPU file plain torch.load reads back equal (upstream: full_tensor() per key)."""
-    _check(dp2, "rank0_offload_full_state_dict", strategy)
+    check(dp2, "rank0_offload_full_state_dict", strategy)
 
 
 # ---------------------------------------------------------------- test_fully_shard_clip_grad_norm_.py
@@ -1489,7 +1431,7 @@ def test_clip_grad_norm_1d(dp2, strategy):
     torch.nn.utils.clip_grad_norm_'s total norm, and the clipped full grads match the reference's
     and are each within max_norm. 2 iterations instead of 10; the all-reduce count is not checked
     (clipping's scalar all-reduce bypasses comm_stats)."""
-    _check(dp2, "clip_grad_norm_1d", strategy)
+    check(dp2, "clip_grad_norm_1d", strategy)
 
 
 def test_clip_grad_norm_2d():
@@ -1506,4 +1448,4 @@ def test_ddp_broadcast_buffer(dp2, strategy):
     0 replaces its buffer with buffer + 1 before each training forward; after forward/backward all
     ranks hold rank 0's buffer (broadcast_buffers=True, the default, as in DDP). Beyond upstream:
     with broadcast_buffers=False the buffers agree at wrap and then rank 0's runs ahead."""
-    _check(dp2, "ddp_broadcast_buffer", strategy)
+    check(dp2, "ddp_broadcast_buffer", strategy)

@@ -27,11 +27,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from megatron_fsdp_v2 import (STRATEGY_NAMES, MixedPrecisionPolicy, fully_shard, load_optimizer_state_dict,
-                              optimizer_state_dict)
+from megatron_fsdp_v2 import MixedPrecisionPolicy, fully_shard, load_optimizer_state_dict, optimizer_state_dict
 
-from .dist_utils import run_distributed
-from .upstream_common import CaseSkipped, check_report, full_grads, live_temporary_bytes, run_cases
+from .upstream_common import (CaseSkipped, all_strategies, check, full_grads, live_temporary_bytes, reports_fixture,
+                              run_cases)
 
 
 # ---------------------------------------------------------------- test_mcore_fully_sharded_data_parallel.py
@@ -530,26 +529,10 @@ def megatron_worker(rank, world_size, root, only=None):
         case_optimizer_post_step_syncs_once_per_parameter_group,
         case_fully_shard_adam_mixed_precision_losses_match_baseline,
     ]
-    name_of = lambda c: c[0] if isinstance(c, tuple) else c.__name__.removeprefix("case_")  # noqa: E731
-    return run_cases(rank, world_size, [c for c in cases if only is None or name_of(c) in only])
+    return run_cases(rank, world_size, cases, only=only)
 
 
-_ONLY = os.environ.get("UPSTREAM_ONLY")
-
-
-@pytest.fixture(scope="module")
-def dp2(tmp_path_factory):
-    return run_distributed(megatron_worker, 2, str(tmp_path_factory.mktemp("megatron")),
-                           _ONLY.split(",") if _ONLY else None, timeout=600.0)
-
-
-def _check(reports, name, strategy):
-    if (name, strategy) not in reports[0]:
-        pytest.skip("not selected by UPSTREAM_ONLY")
-    check_report(reports, name, strategy)
-
-
-all_strategies = pytest.mark.parametrize("strategy", STRATEGY_NAMES)
+dp2 = reports_fixture(megatron_worker, 2, "megatron")
 
 
 @all_strategies
@@ -559,7 +542,7 @@ def test_fsdp_with_process_groups(dp2, strategy):
     the default group and once with an explicit process group (upstream: a HyperCommGrid "dp"
     group in a ProcessGroupCollection); one Adam(lr=3) step gives bitwise equal outputs, losses
     and parameters (rtol=atol=0). Linear units as upstream's fsdp_unit_modules."""
-    _check(dp2, "fsdp_with_process_groups", strategy)
+    check(dp2, "fsdp_with_process_groups", strategy)
 
 
 @all_strategies
@@ -569,7 +552,7 @@ def test_fsdp_user_buffer_registration(dp2, strategy):
     default buffers against NCCL user-buffer / double-buffer registration (CUDA only); our
     equivalent choice of where temporary buffers live is the allocator: storage_freeing against
     trace_pool, 3 steps bitwise equal (rtol=atol=0) in outputs, losses and parameters."""
-    _check(dp2, "fsdp_user_buffer_registration", strategy)
+    check(dp2, "fsdp_user_buffer_registration", strategy)
 
 
 def test_fsdp_with_hybrid_sharding():
@@ -598,7 +581,7 @@ def test_fully_shard(dp2, strategy):
     synchronising micro-batch; before it they must not for no_shard/optim, while ZeRO-2/3
     reduce-scatter every micro-batch by design and so must expose them. TE transformer, meta-device
     init, torch.compile, preserve_fp32_weights=False and HSDP/CP/TP meshes are not ported."""
-    _check(dp2, "fully_shard", strategy)
+    check(dp2, "fully_shard", strategy)
 
 
 @all_strategies
@@ -606,7 +589,7 @@ def test_fully_shard_ez(dp2, strategy):
     """NVIDIA/Megatron-LM tests/unit_tests/distributed/megatron_fsdp/test_mfsdp_fully_shard.py::
     TestMegatronFsdpFullyShard::test_fully_shard_ez. fully_shard with the default process group
     on the toy nn.Transformer, two Adam steps: finite losses and weights that change."""
-    _check(dp2, "fully_shard_ez", strategy)
+    check(dp2, "fully_shard_ez", strategy)
 
 
 @all_strategies
@@ -618,7 +601,7 @@ def test_dcp_checkpoint_save_and_load(dp2, strategy):
     load_state_dict, load_optimizer_state_dict): full weights and optimizer state allclose,
     param_groups equal, the eval loss exactly equal, and training continues. Upstream xfails
     no_shard; here it must pass like the others."""
-    _check(dp2, "dcp_checkpoint_save_and_load", strategy)
+    check(dp2, "dcp_checkpoint_save_and_load", strategy)
 
 
 def test_fully_shard_te_quantized():
@@ -635,7 +618,7 @@ def test_fully_shard_sgd_losses_match_baseline(dp2, strategy):
     the same data on every rank, 5 SGD steps of (loss / k) with no_sync on all but the last
     micro-batch (upstream's microbatch(is_last=...)); every micro-batch's loss equals a plain
     single-process model's (assert_close defaults)."""
-    _check(dp2, "fully_shard_sgd_losses_match_baseline", strategy)
+    check(dp2, "fully_shard_sgd_losses_match_baseline", strategy)
 
 
 @all_strategies
@@ -645,7 +628,7 @@ def test_backward_averages_across_dp_and_accumulates_across_calls(dp2, strategy)
     rank + 1, two backward() calls: every gradient element is exactly dp + 1 (rtol=atol=0), both
     with two synchronising backwards and with both inside no_sync followed by
     wait_gradient_reduction()."""
-    _check(dp2, "backward_averages_across_dp_and_accumulates_across_calls", strategy)
+    check(dp2, "backward_averages_across_dp_and_accumulates_across_calls", strategy)
 
 
 @all_strategies
@@ -654,7 +637,7 @@ def test_next_forward_uses_optimizer_updated_weights(dp2, strategy):
     test_next_forward_uses_optimizer_updated_weights. A bf16 Linear with fp32 main weights
     (MixedPrecisionPolicy(param_dtype=bf16)), SGD(foreach=False): the second iteration's loss
     differs from the first."""
-    _check(dp2, "next_forward_uses_optimizer_updated_weights", strategy)
+    check(dp2, "next_forward_uses_optimizer_updated_weights", strategy)
 
 
 @all_strategies
@@ -663,7 +646,7 @@ def test_tied_child_parameters_allocate_one_physical_weight(dp2, strategy):
     test_tied_child_parameters_allocate_one_physical_weight. A bf16 LM whose head is tied to the
     embedding: one optimizer-facing parameter, 8 x 4 main elements over all ranks (once per rank
     for no_shard), both names in full_state_dict holding the same tensor, one gradient."""
-    _check(dp2, "tied_child_parameters_allocate_one_physical_weight", strategy)
+    check(dp2, "tied_child_parameters_allocate_one_physical_weight", strategy)
 
 
 @all_strategies
@@ -671,7 +654,7 @@ def test_frozen_parameter_group_does_not_allocate_main_grad(dp2, strategy):
     """NVIDIA/Megatron-LM tests/unit_tests/distributed/mfsdp_v2/test_fully_shard.py::
     test_frozen_parameter_group_does_not_allocate_main_grad. A frozen Linear: persistent_bytes()
     reports no gradient bytes (upstream: group.main_grad is None)."""
-    _check(dp2, "frozen_parameter_group_does_not_allocate_main_grad", strategy)
+    check(dp2, "frozen_parameter_group_does_not_allocate_main_grad", strategy)
 
 
 @all_strategies
@@ -681,7 +664,7 @@ def test_nested_fully_shard_excludes_child_owned_parameters(dp2, strategy):
     fully_shard(model): the child owns its weight and the parent only its bias. Checked without
     internals: the nested wrap issues the same collectives as unit_modules=[nn.Linear], and both
     train like the reference."""
-    _check(dp2, "nested_fully_shard_excludes_child_owned_parameters", strategy)
+    check(dp2, "nested_fully_shard_excludes_child_owned_parameters", strategy)
 
 
 @all_strategies
@@ -689,7 +672,7 @@ def test_parameterless_parent_with_child_modules_trains(dp2, strategy):
     """NVIDIA/Megatron-LM tests/unit_tests/distributed/mfsdp_v2/test_fully_shard.py::
     test_parameterless_parent_with_child_modules_trains. Both Linears wrapped, then the
     Sequential that owns nothing itself; one SGD step trains like the reference."""
-    _check(dp2, "parameterless_parent_with_child_modules_trains", strategy)
+    check(dp2, "parameterless_parent_with_child_modules_trains", strategy)
 
 
 @all_strategies
@@ -699,7 +682,7 @@ def test_non_leaf_parameter_view_survives_storage_resize(dp2, strategy):
     non-leaf view of the weight; with ZeRO-3 the gathered weight is freed after the forward
     (allocator live bytes 0, upstream: untyped_storage().nbytes() == 0) and backward still uses it
     correctly: grads equal the reference's."""
-    _check(dp2, "non_leaf_parameter_view_survives_storage_resize", strategy)
+    check(dp2, "non_leaf_parameter_view_survives_storage_resize", strategy)
 
 
 @all_strategies
@@ -709,7 +692,7 @@ def test_fully_shard_activation_recompute_reshards_parameters(dp2, strategy):
     fc1 and fc2 checkpointed units: after each of two backwards nothing stays gathered (allocator
     live bytes 0; upstream: parameters are DTensors again and phases RESTING), and the accumulated
     grads equal the reference's."""
-    _check(dp2, "fully_shard_activation_recompute_reshards_parameters", strategy)
+    check(dp2, "fully_shard_activation_recompute_reshards_parameters", strategy)
 
 
 @all_strategies
@@ -719,7 +702,7 @@ def test_optimizer_post_step_syncs_once_per_parameter_group(dp2, strategy):
     Adam step: no weight all-gather during the micro-batches, and the same positive number after
     each step (upstream counts sync_model_weight_from_main_weight calls per group; we count the
     all-gathers comm_stats() records)."""
-    _check(dp2, "optimizer_post_step_syncs_once_per_parameter_group", strategy)
+    check(dp2, "optimizer_post_step_syncs_once_per_parameter_group", strategy)
 
 
 @all_strategies
@@ -727,7 +710,7 @@ def test_fully_shard_adam_mixed_precision_losses_match_baseline(dp2, strategy):
     """NVIDIA/Megatron-LM tests/unit_tests/distributed/mfsdp_v2/test_fully_shard.py::
     test_fully_shard_adam_mixed_precision_losses_match_baseline. bf16 TinyModel with fp32 main
     weights against an unsharded bf16 Adam baseline, 3 steps, loss within atol 3e-3 (rtol 0)."""
-    _check(dp2, "fully_shard_adam_mixed_precision_losses_match_baseline", strategy)
+    check(dp2, "fully_shard_adam_mixed_precision_losses_match_baseline", strategy)
 
 
 def test_meta_and_cpu_initialized_parameters():

@@ -20,11 +20,13 @@ nothing here depends on how a strategy lays out its shards.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 import traceback
 from datetime import timedelta
 from typing import Callable, Optional
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -32,7 +34,12 @@ import torch.nn.functional as F
 
 from megatron_fsdp_v2 import STRATEGY_NAMES, fully_shard
 
+from .dist_utils import run_distributed
+
 CASE_TIMEOUT_S = 30.0
+ONLY = os.environ.get("UPSTREAM_ONLY")      # debugging: run a comma-separated subset of cases
+
+all_strategies = pytest.mark.parametrize("strategy", STRATEGY_NAMES)
 
 
 class CaseSkipped(Exception):
@@ -174,15 +181,18 @@ def _drop_group(group) -> None:
         pass
 
 
-def run_cases(rank: int, world: int, cases: list, strategies=STRATEGY_NAMES) -> dict:
+def run_cases(rank: int, world: int, cases: list, strategies=STRATEGY_NAMES, only=None) -> dict:
     """Run ``case(ctx, strategy)`` for every case and strategy; {(case name, strategy): result}.
 
-    ``cases`` holds functions or (name, function) pairs. A result is ``("ok", failures, info)``,
-    ``("skip", reason, info)`` or ``("error", traceback, info)``; ``info["seconds"]`` is the time
-    the case took. Each case gets a fresh group, replaced after a strategy errored on any rank."""
+    ``cases`` holds functions or (name, function) pairs; with ``only`` (case names) the others are
+    left out. A result is ``("ok", failures, info)``, ``("skip", reason, info)`` or ``("error",
+    traceback, info)``; ``info["seconds"]`` is the time the case took. Each case gets a fresh group,
+    replaced after a strategy errored on any rank."""
     report = {}
     for entry in cases:
         name, fn = entry if isinstance(entry, tuple) else (entry.__name__.removeprefix("case_"), entry)
+        if only is not None and name not in only:
+            continue
         group = _new_group()
         for strategy in strategies:
             checks, info = Checks(), {}
@@ -207,10 +217,28 @@ def run_cases(rank: int, world: int, cases: list, strategies=STRATEGY_NAMES) -> 
     return report
 
 
+def reports_fixture(worker, world_size: int, label: str):
+    """A module-scoped fixture: the reports of ``worker(rank, world_size, root, only)`` run on
+    ``world_size`` ranks, ``root`` a fresh directory named after ``label``, ``only`` the cases
+    UPSTREAM_ONLY names (None: all). Assign it to the fixture's name in the test module."""
+
+    @pytest.fixture(scope="module")
+    def reports(tmp_path_factory):
+        return run_distributed(worker, world_size, str(tmp_path_factory.mktemp(label)),
+                               ONLY.split(",") if ONLY else None, timeout=600.0)
+
+    return reports
+
+
+def check(reports: list, name: str, strategy: str) -> None:
+    """``check_report``, or a skip where UPSTREAM_ONLY left the case out."""
+    if (name, strategy) not in reports[0]:
+        pytest.skip("not selected by UPSTREAM_ONLY")
+    check_report(reports, name, strategy)
+
+
 def check_report(reports: list, name: str, strategy: str) -> None:
     """pytest side: fail with every rank's failures or traceback; skip with the case's reason."""
-    import pytest
-
     results = [r[(name, strategy)] for r in reports]
     errors = [f"rank {i}:\n{res[1]}" for i, res in enumerate(results) if res[0] == "error"]
     if errors:

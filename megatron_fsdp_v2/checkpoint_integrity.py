@@ -38,7 +38,8 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 __all__ = ["ALGORITHM", "MANIFEST", "METADATA_FILE", "CheckpointCorruptError", "ChecksummedFileSystemWriter",
-           "bytes_checksum", "corrupt", "file_checksum", "has_manifest", "read_manifest", "this_rank", "verify_file"]
+           "bytes_checksum", "corrupt", "file_checksum", "has_manifest", "read_manifest", "this_rank", "verify_directory",
+           "verify_file", "write_directory_manifest"]
 
 MANIFEST = ".checksums.json"
 METADATA_FILE = ".metadata"     # DCP's name for it (torch.distributed.checkpoint.filesystem._metadata_fn)
@@ -143,6 +144,48 @@ def _write_manifest(directory: str, files: dict) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _round_robin(names: list, group) -> list:
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    return [name for i, name in enumerate(sorted(names)) if i % size == rank]
+
+
+def write_directory_manifest(directory, group=None) -> None:
+    """The manifest for a DCP directory another writer produced (Megatron's
+    ``dist_checkpointing.save``): every ``.distcp`` file and ``.metadata``. Collective: every rank
+    calls it after the save returned; each hashes a round-robin share of the files and the group's
+    rank 0 writes the manifest last, so it still marks a complete checkpoint."""
+    directory = os.fspath(directory)
+    names = [n for n in os.listdir(directory) if n.endswith(".distcp") or n == METADATA_FILE]
+    mine = {name: file_checksum(os.path.join(directory, name)) for name in _round_robin(names, group)}
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    if dist.get_rank(group) == 0:
+        files: dict = {}
+        for part in everyone:
+            files.update(part)
+        _write_manifest(directory, files)
+    dist.barrier(group=group)
+
+
+def verify_directory(directory, group=None) -> None:
+    """Check every file the directory's manifest lists (each rank a round-robin share) and raise
+    ``CheckpointCorruptError`` on every rank if any rank found a mismatch: for readers whose own
+    reads are not collective-safe (Megatron's load exchanges what one rank read with
+    broadcasts, so an error on one rank alone would leave the others waiting). No manifest: nothing
+    to check."""
+    from .collective_errors import raise_on_every_rank
+
+    directory = os.fspath(directory)
+    error = None
+    try:
+        manifest = read_manifest(directory)
+        for name in _round_robin(list(manifest or ()), group):
+            verify_file(directory, name, manifest)
+    except ValueError as exc:              # CheckpointCorruptError, or a manifest of another format
+        error = exc
+    raise_on_every_rank(group, error, f"verifying checkpoint {directory!r}")
 
 
 class ChecksummedFileSystemWriter(FileSystemWriter):

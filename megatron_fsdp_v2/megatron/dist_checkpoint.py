@@ -57,6 +57,7 @@ import torch
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
 from ..checkpoint import CLASS_KEY, load_optimizer_state_dict, optimizer_state_dict
+from ..checkpoint_integrity import verify_directory, write_directory_manifest
 from ..dcp_format import FlatRangeShard
 from ..safe_reader import SafeFileSystemReader
 
@@ -352,7 +353,8 @@ def install_optimizer_checkpointing(optimizer, chunks) -> None:
 def save_dist_checkpoint(path: "str | os.PathLike", model, optimizer=None) -> None:
     """Write ``{"model": model.sharded_state_dict(), "optimizer": optimizer.sharded_state_dict(...)}``
     with ``dist_checkpointing.save`` into directory ``path`` (created; must be empty), the layout of
-    Megatron-LM's ``--ckpt-format torch_dist``. For loops other than Megatron-LM's."""
+    Megatron-LM's ``--ckpt-format torch_dist``, plus the sha256 manifest of its files
+    (``.checksums.json``, checked by ``load_dist_checkpoint``). For loops other than Megatron-LM's."""
     from megatron.core import dist_checkpointing
 
     path = os.fspath(path)
@@ -364,6 +366,7 @@ def save_dist_checkpoint(path: "str | os.PathLike", model, optimizer=None) -> No
         os.makedirs(path, exist_ok=True)
     torch.distributed.barrier()
     dist_checkpointing.save(state, path)
+    write_directory_manifest(path)         # checksums of every shard file and .metadata
 
 
 @contextlib.contextmanager
@@ -399,13 +402,15 @@ def load_dist_checkpoint(path: "str | os.PathLike", model, optimizer=None) -> No
     """Load what ``save_dist_checkpoint`` (or Megatron-LM, or Megatron's DDP for the model part)
     wrote, at any data-parallel size and strategy. Files are read through
     ``SafeFileSystemReader`` (``safe_dcp_reading``), so nothing outside torch's weights-only
-    allow-list is unpickled."""
+    allow-list is unpickled; where the directory has a checksum manifest (``save_dist_checkpoint``
+    writes one), every file is checked first and a mismatch raises on every rank naming the file."""
     from megatron.core import dist_checkpointing
 
     model_sd = model.sharded_state_dict()
     state = {"model": model_sd}
     if optimizer is not None:
         state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=True)
+    verify_directory(path)                 # before Megatron reads: a mismatch raises on every rank
     with safe_dcp_reading():
         loaded = dist_checkpointing.load(state, os.fspath(path))
     model.load_state_dict(loaded["model"])

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import shutil
 
 import pytest
 import torch
@@ -134,6 +135,22 @@ def _error_cases(base):
         wrapper.load_state_dict(full)
     except ValueError as exc:                      # on every rank (none may go on into a collective)
         errors["missing_full_key"] = str(exc)
+    # a bit flipped in a shard file: save_dist_checkpoint's manifest catches it, on every rank
+    source, flipped = os.path.join(base, "optim_grads"), os.path.join(base, "optim_grads_flipped")
+    if torch.distributed.get_rank() == 0:
+        shutil.copytree(source, flipped)
+        shard = os.path.join(flipped, "__1_0.distcp")
+        with open(shard, "r+b") as f:
+            f.seek(os.path.getsize(shard) // 2)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0x10]))
+    torch.distributed.barrier()
+    try:
+        _load(wrapper, optimizer, flipped)
+        errors["flipped"] = None
+    except ValueError as exc:
+        errors["flipped"] = f"{type(exc).__name__}: {exc}"
     return errors
 
 
@@ -331,6 +348,8 @@ def test_every_strategy_pair_at_dp2_and_resume_is_bitwise(checkpoints):
     assert errors["loads_model_only"] == []
     for out in results:
         assert "missing keys ['decoder.final_layernorm.bias']" in out["errors"]["missing_full_key"]
+        assert out["errors"]["flipped"].startswith("CheckpointCorruptError: ")
+        assert "optim_grads_flipped/__1_0.distcp' is truncated or corrupt (found on rank" in out["errors"]["flipped"]
         held, loaded_into = out["in_place"]
         assert held > 0 and loaded_into == held, out["in_place"]
     for rank, out in enumerate(results):   # save_checkpoint(path, wrapper, megatron_optimizer), ZeRO-2 -> ZeRO-3

@@ -217,8 +217,8 @@ def _state_value(group, index, main, name: str, key: str, local) -> torch.Tensor
 
 
 def _fresh_state(optimizer, hparams: dict, p) -> dict:
-    """The state torch.optim creates at the first step, built without stepping (LESSONS.md: a warm-up
-    step advances Adam's step counter). Only for optimizers whose state we know."""
+    """The state torch.optim creates at the first step, built without stepping (a warm-up step advances
+    Adam's step counter: NVIDIA/Megatron-LM#5974 made updates 1.34x too small that way). Only for optimizers whose state we know."""
     if not p.requires_grad:
         return {}
     if isinstance(optimizer, torch.optim.SGD):

@@ -447,11 +447,10 @@ class Engine:
     # ------------------------------------------------------------------ explicit gradient sync
     def start_gradient_reduction(self) -> None:
         """Issue the reduce of every group holding gradients accumulated under ``no_sync()``."""
-        for group in self.groups:
-            if group.has_unreduced_grads and not any(g is group for g, _ in self._reduces_in_flight):
-                pending = group.reduce_grad(self.gradient_divide_factor)
-                if pending is not None:
-                    self._reduces_in_flight.append((group, pending))
+        for group in self.groups:        # a group whose reduce is in flight has nothing unreduced
+            pending = group.reduce_grad(self.gradient_divide_factor)
+            if pending is not None:
+                self._reduces_in_flight.append((group, pending))
 
     def finish_gradient_reduction(self) -> None:
         """Make every gradient final: reduce what is still local, wait, attach. Idempotent."""

@@ -40,31 +40,20 @@ __all__ = ["export_full_state_dict", "load_checkpoint", "load_optimizer_state_di
 
 # ---------------------------------------------------------------- shards <-> state-dict values
 def _sharded_module(model) -> nn.Module:
-    """The module ``fully_shard`` wrapped: ``model`` itself or, for a wrapper that holds one as
-    ``.module`` (the Megatron adapter), that module."""
-    for candidate in (model, getattr(model, "module", None)):
-        if isinstance(candidate, nn.Module) and hasattr(candidate, "_fsdp_engine"):
-            return candidate
-    raise TypeError(f"model must be a module wrapped by fully_shard (or a wrapper holding one as .module), "
-                    f"got {type(model).__name__}.")
+    """``model`` itself, checked: these functions take a module ``fully_shard`` wrapped (the Megatron
+    adapter's wrappers go through ``megatron_fsdp_v2.megatron.checkpoint_targets``)."""
+    if isinstance(model, nn.Module) and hasattr(model, "_fsdp_engine"):
+        return model
+    raise TypeError(f"model must be a module wrapped by fully_shard, got {type(model).__name__}; for Megatron's "
+                    f"FullyShardedDataParallel use megatron_fsdp_v2.megatron.save_checkpoint / load_checkpoint.")
 
 
 def _torch_optimizer(optimizer) -> torch.optim.Optimizer:
-    """``optimizer``, or the torch optimizer a wrapper steps with (Megatron's optimizers keep it as
-    ``.optimizer``; a ``ChainedOptimizer`` of one optimizer is unwrapped too)."""
-    chained = getattr(optimizer, "chained_optimizers", None)
-    if chained is not None:
-        if len(chained) != 1:
-            raise ValueError(f"optimizer: a chain of {len(chained)} optimizers; pass each of "
-                             f"optimizer.chained_optimizers, or use its sharded_state_dict() with dist_checkpointing.")
-        optimizer = chained[0]
+    """``optimizer`` itself, checked: a ``torch.optim.Optimizer``."""
     if isinstance(optimizer, torch.optim.Optimizer):
         return optimizer
-    inner = getattr(optimizer, "optimizer", None)
-    if isinstance(inner, torch.optim.Optimizer):
-        return inner
-    raise TypeError(f"optimizer must be a torch.optim.Optimizer (or wrap one as .optimizer), got "
-                    f"{type(optimizer).__name__}.")
+    raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}; for Megatron's "
+                    f"optimizers use megatron_fsdp_v2.megatron.save_checkpoint / load_checkpoint.")
 
 
 def _owned_range(group, index: int) -> tuple[int, int]:

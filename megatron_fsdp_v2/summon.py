@@ -24,7 +24,8 @@ def summon_full_params(module, recurse: bool = True, writeback: bool = True, ran
     ``module.layer.weight``) are the full tensors in main-weight precision, equal on every rank.
 
     Args (FSDP1's):
-        module: a module returned by ``fully_shard`` (or an object whose ``.module`` is one).
+        module: a module returned by ``fully_shard`` (the Megatron adapter's wrapper has its own
+            ``summon_full_params`` method, which passes its ``.module``).
         recurse: accepted for FSDP1 compatibility; the whole model is always gathered (one call
             covers every unit).
         writeback: copy in-place changes back into the main weights on exit (each rank keeps its
@@ -78,8 +79,7 @@ def summon_full_params(module, recurse: bool = True, writeback: bool = True, ran
 
 
 def _engine_of(module):
-    for candidate in (module, getattr(module, "module", None)):
-        engine = getattr(candidate, "_fsdp_engine", None)
-        if engine is not None:
-            return engine
+    engine = getattr(module, "_fsdp_engine", None) if isinstance(module, torch.nn.Module) else None
+    if engine is not None:
+        return engine
     raise TypeError(f"module: expected a module wrapped by fully_shard, got {type(module).__name__}.")

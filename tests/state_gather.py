@@ -14,6 +14,11 @@ def full_optimizer_state(model, optimizer, group=None) -> dict:
     from megatron_fsdp_v2.checkpoint import optimizer_state_dict
     from megatron_fsdp_v2.dcp_format import FlatRangeShard
 
+    if not isinstance(optimizer, torch.optim.Optimizer):      # the Megatron adapter's objects
+        from megatron_fsdp_v2.megatron import checkpoint_targets
+
+        model, optimizer = checkpoint_targets(model, optimizer)
+
     full = {}
     for key, value in optimizer_state_dict(model, optimizer).items():
         if key.startswith("param_groups."):

@@ -9,6 +9,8 @@
 * ``dist_checkpoint``: Megatron's ``dist_checkpointing`` (``--ckpt-format torch_dist``) for both:
   ``wrapper.sharded_state_dict()`` / ``optimizer.sharded_state_dict()`` and their ``load_state_dict``;
   ``save_dist_checkpoint`` / ``load_dist_checkpoint`` do both in one call.
+* ``save_checkpoint`` / ``load_checkpoint`` (``dcp_checkpoint.py``): the core's DCP checkpoints for the
+  wrapper and Megatron's optimizers (unwrapped to the ``fully_shard`` module and torch optimizer).
 
 Not here (not installed): the Megatron-LM launcher ``examples/pretrain_gpt.py``, the CPU demo
 ``examples/megatron_demo.py`` and the CPU patches for the demo and the tests ``testing/cpu_compat.py``.
@@ -24,7 +26,10 @@ _EXPORTS = {
     "FullyShardedDataParallel": "adapter",
     "WeightRefreshForMegatronOptimizer": "adapter",
     "ORIGINAL_SHAPE_ATTR": "adapter",
+    "checkpoint_targets": "dcp_checkpoint",
     "get_optimizer": "optimizer",
+    "load_checkpoint": "dcp_checkpoint",
+    "save_checkpoint": "dcp_checkpoint",
     "install_optimizer_checkpointing": "dist_checkpoint",
     "load_dist_checkpoint": "dist_checkpoint",
     "save_dist_checkpoint": "dist_checkpoint",

@@ -359,6 +359,10 @@ class FullyShardedDataParallel(DistributedDataParallel):
         for _, param in self.named_parameters():
             yield param
 
+    def summon_full_params(self, **kwargs):
+        """The wrapped module's ``summon_full_params`` (full weights inside the context)."""
+        return self.module.summon_full_params(**kwargs)
+
     # ------------------------------------------------------------------ gradient sync
     @contextlib.contextmanager
     def no_sync(self):

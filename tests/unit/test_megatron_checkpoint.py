@@ -9,7 +9,8 @@ Adam (``DistributedOptimizer`` on its ``use_megatron_fsdp`` path), on a tiny GPT
 * Megatron-LM's own ``save_checkpoint`` / ``load_checkpoint`` (megatron.training.checkpointing)
   round-trip the wrapper and optimizer at dp 2 into another strategy.
 * Checkpoints interchange with Megatron's own DDP (same keys: layers stacked under one key).
-* The core's ``save_checkpoint`` / ``load_checkpoint`` accept the wrapper and Megatron's optimizer.
+* ``megatron_fsdp_v2.megatron.save_checkpoint`` / ``load_checkpoint`` (the core's DCP format) take the wrapper and
+  Megatron's optimizer; the core's own functions refuse them, naming the Megatron ones.
 * Errors: a checkpoint of another model names the mis-shaped key (Megatron's check); a foreign optimizer dict names
   the format key; pipeline offsets are rejected.
 """
@@ -173,6 +174,7 @@ def _loads_in_place(base):
 
 def save_worker(rank, world_size, base):
     import megatron_fsdp_v2
+    import megatron_fsdp_v2.megatron
 
     out = {}
     with _megatron_on_cpu(world_size, rank, SAVED_ITERS + MORE_ITERS) as batches:
@@ -180,8 +182,12 @@ def save_worker(rank, world_size, base):
             wrapper, config, optimizer = _model_and_optimizer(strategy)
             _train(wrapper, config, optimizer, batches, SAVED_ITERS)
             _save(wrapper, optimizer, os.path.join(base, strategy))
-            if strategy == "optim_grads":   # the core's DCP helpers take the wrapper and Megatron's optimizer too
-                megatron_fsdp_v2.save_checkpoint(os.path.join(base, "core_dcp"), wrapper, optimizer)
+            if strategy == "optim_grads":   # the core's DCP format through the adapter's unwrapping helpers
+                with pytest.raises(TypeError, match="megatron_fsdp_v2.megatron.save_checkpoint"):
+                    megatron_fsdp_v2.save_checkpoint(os.path.join(base, "refused"), wrapper, optimizer)
+                with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer, got"):
+                    megatron_fsdp_v2.save_checkpoint(os.path.join(base, "refused"), wrapper.module, optimizer)
+                megatron_fsdp_v2.megatron.save_checkpoint(os.path.join(base, "core_dcp"), wrapper, optimizer)
             saved = _full_state(wrapper, optimizer)
             _train(wrapper, config, optimizer, batches[SAVED_ITERS * NMB:], MORE_ITERS)
             out[strategy] = {"saved": saved, "continuous": _full_state(wrapper, optimizer)}
@@ -189,7 +195,7 @@ def save_worker(rank, world_size, base):
 
 
 def load_worker(rank, world_size, base, pairs, resume, errors):
-    import megatron_fsdp_v2
+    import megatron_fsdp_v2.megatron
 
     out = {}
     with _megatron_on_cpu(world_size, rank, SAVED_ITERS + MORE_ITERS) as batches:
@@ -204,7 +210,7 @@ def load_worker(rank, world_size, base, pairs, resume, errors):
         if errors:
             out["errors"] = _error_cases(base)
             wrapper, _, optimizer = _model_and_optimizer("optim_grads_params")
-            megatron_fsdp_v2.load_checkpoint(os.path.join(base, "core_dcp"), wrapper, optimizer)
+            megatron_fsdp_v2.megatron.load_checkpoint(os.path.join(base, "core_dcp"), wrapper, optimizer)
             out["core_dcp"] = _full_state(wrapper, optimizer)
             out["in_place"] = _loads_in_place(base)
     return out

@@ -364,19 +364,25 @@ def build_megatron_ddp(ctx: Ctx, system: System) -> Built:
     )
     ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
     notes: List[str] = [f"overlap_grad_reduce=overlap_param_gather={overlap}"]
-    opt, inner = _megatron_optimizer(ctx, ddp, notes)
+    return _built_megatron_wrapper(ctx, ddp, model, gpt, notes)
+
+
+def _built_megatron_wrapper(ctx, wrapper, model, gpt, notes: List[str]) -> "Built":
+    """A step of Megatron's loop on a DDP-like wrapper (Megatron DDP or Megatron-FSDP): zero the
+    grad buffer and the optimizer, forward + backward, ``finish_grad_sync``, ``optimizer.step``."""
+    opt, inner = _megatron_optimizer(ctx, wrapper, notes)
 
     def fwd_bwd():
-        loss = _forward_loss(ctx, ddp)
+        loss = _forward_loss(ctx, wrapper)
         loss.backward()
-        ddp.finish_grad_sync()
+        wrapper.finish_grad_sync()
         return loss.detach()
 
     def zero_grad():                        # megatron.training.train_step, start of each step
-        ddp.zero_grad_buffer()
+        wrapper.zero_grad_buffer()
         opt.zero_grad()
 
-    return Built(fwd_bwd, opt.step, zero_grad, [ddp, opt, inner, model, gpt],
+    return Built(fwd_bwd, opt.step, zero_grad, [wrapper, opt, inner, model, gpt],
                  optimizer_state_bytes=lambda: torch_optimizer_state_bytes(inner), notes=notes)
 
 
@@ -456,20 +462,7 @@ def build_megatron_fsdp(ctx: Ctx, system: System) -> Built:
     # With one micro-batch per step the schedule never enters no_sync(), so Megatron-FSDP's
     # `is_last_microbatch` stays unset and optim (ZeRO-1) would never reduce its gradients.
     fsdp.module.is_last_microbatch = True
-    opt, inner = _megatron_optimizer(ctx, fsdp, notes)
-
-    def fwd_bwd():
-        loss = _forward_loss(ctx, fsdp)
-        loss.backward()
-        fsdp.finish_grad_sync()
-        return loss.detach()
-
-    def zero_grad():
-        fsdp.zero_grad_buffer()
-        opt.zero_grad()
-
-    return Built(fwd_bwd, opt.step, zero_grad, [fsdp, opt, inner, model, gpt],
-                 optimizer_state_bytes=lambda: torch_optimizer_state_bytes(inner), notes=notes)
+    return _built_megatron_wrapper(ctx, fsdp, model, gpt, notes)
 
 
 BUILDERS = {

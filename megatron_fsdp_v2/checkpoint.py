@@ -27,12 +27,14 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import _IncompatibleKeys
 
 from . import checkpoint_commit
 from .checkpoint_integrity import ChecksummedFileSystemWriter, CheckpointCorruptError
 from .collective_errors import gather_reports, raise_on_every_rank, raise_reported
 from .dcp_format import FlatRangeShard
+from .row_sharded import RowShardedTensor, local_piece
 from .safe_reader import SafeFileSystemReader, TensorsOnlyLoadPlanner, UnsafeCheckpointError
 
 __all__ = ["export_full_state_dict", "load_checkpoint", "load_optimizer_state_dict", "optimizer_state_dict",
@@ -65,26 +67,38 @@ def _owned_range(group, index: int) -> tuple[int, int]:
 
 
 def _to_value(group, index: int, local: torch.Tensor) -> torch.Tensor:
-    """A tensor laid out like ``group.main_params[index]`` -> the state-dict value DCP sees."""
+    """A tensor laid out like ``group.main_params[index]`` (the main weights or optimizer state
+    built from them) -> the state-dict value DCP sees: the tensor itself (whole, or a
+    RowShardedTensor), or for plain sharded pieces a ``FlatRangeShard``. Both declare the same
+    chunk: this rank's rows."""
     shape = tuple(group.shapes[index])
     if not group.strategy.optim_sharded:
         return local
     if math.prod(shape) == 0:
-        return local.new_zeros(shape)
-    return FlatRangeShard(shape, local, _owned_range(group, index)[0])
+        return local_piece(local).new_zeros(shape)
+    if group.mesh is not None and shape:
+        return local if isinstance(local, RowShardedTensor) else group.facing_optimizer(local_piece(local), index)
+    return FlatRangeShard(shape, local_piece(local).reshape(-1), _owned_range(group, index)[0])
 
 
 def _to_local(group, index: int, value: torch.Tensor, key: str) -> torch.Tensor:
-    """A state-dict value (ours, or a full tensor) -> this rank's part, laid out like the main param."""
+    """A state-dict value (ours, another DTensor, or a full tensor) -> this rank's part, laid out
+    like ``group.main_locals[index]``."""
     start, end = _owned_range(group, index)
-    if isinstance(value, FlatRangeShard):
+    if isinstance(value, RowShardedTensor):
+        if value.row_splits != group.layout.row_splits(index):
+            raise ValueError(f"{key}: holds rows split {value.row_splits} over ranks but this model splits them "
+                             f"{group.layout.row_splits(index)}; dcp.load into this model's own state dict instead.")
+        flat = value.to_local().reshape(-1)
+    elif isinstance(value, FlatRangeShard):
         if (value.flat_start, value.flat_end) != (start, end):
             raise ValueError(f"{key}: holds flattened elements [{value.flat_start}, {value.flat_end}) but this rank "
                              f"owns [{start}, {end}); dcp.load into this model's own state dict instead.")
         flat = value.local_flat
     else:
-        flat = value.detach().reshape(-1)[start:end]
-    return flat.view(group.shapes[index]) if not group.strategy.optim_sharded else flat
+        full = value.full_tensor() if isinstance(value, DTensor) else value   # torch.chunk pieces: gather
+        flat = full.detach().reshape(-1)[start:end]
+    return flat.view(group.main_locals[index].shape)
 
 
 def _each_param(model):
@@ -117,8 +131,10 @@ def _raise_if_mismatched(what: str, expected: dict, got: dict, aliases: dict, st
 # ---------------------------------------------------------------- model
 def model_state_dict(model, prefix: str = "", keep_vars: bool = False) -> "OrderedDict[str, torch.Tensor]":
     """``model.state_dict()``: every parameter (all tied names) and persistent buffer under its
-    original name and shape, in main-weight precision; sharded values are ``FlatRangeShard`` views
-    of this rank's main weights. ``keep_vars`` returns replicated parameters undetached."""
+    original name and shape, in main-weight precision; sharded values share this rank's main weights:
+    RowShardedTensors (DTensors, what ``torch.distributed.checkpoint.state_dict`` expects) or, with
+    ``dtensor_params=False`` and for 0-d parameters, ``FlatRangeShard``. ``keep_vars`` returns
+    replicated parameters undetached."""
     model = _sharded_module(model)
     values = {}
     for group, index, names in _each_param(model):
@@ -160,7 +176,7 @@ def load_model_state_dict(model, state_dict: dict, strict: bool = True, assign: 
         for key, value in state_dict.items():
             if key in params:
                 group, index = params[key]
-                group.main_params[index].copy_(_to_local(group, index, value, key))
+                group.main_locals[index].copy_(_to_local(group, index, value, key))
             elif key in buffers:
                 buffers[key].copy_(value)
     model._fsdp_engine.refresh_weights(wait=True)
@@ -336,7 +352,8 @@ def load_optimizer_state_dict(model, optimizer, state_dict: dict) -> None:
                 misshaped.append(f"{key}: expected a tensor, got {type(value).__name__}")
             elif _is_per_element(sub, value.shape, group.shapes[index]):
                 local = _to_local(group, index, value, key)
-                state.setdefault(pos, {})[sub] = local if isinstance(value, FlatRangeShard) else local.clone()
+                in_place = isinstance(value, (FlatRangeShard, RowShardedTensor))    # dcp.load filled it
+                state.setdefault(pos, {})[sub] = group.facing_optimizer(local if in_place else local.clone(), index)
             elif group.strategy.optim_sharded and value.dim() > 0:
                 misshaped.append(f"{key}: expected {tuple(group.shapes[index])} or a scalar, got {tuple(value.shape)}")
             else:

@@ -32,6 +32,7 @@ from .optimizer_hook import watch_optimizer_steps
 from .param_group import ParamGroup, PendingCollective
 from .phase import Phase, PhaseMachine
 from .pre_backward import ForwardRecord, SavedWeightHooks, tensors_needing_grad
+from .row_sharded import local_piece
 from .strategy import ShardingStrategy
 
 
@@ -365,8 +366,9 @@ class Engine:
     def _check_grads_finite(self) -> None:
         for group in self.groups:
             for name, main in zip(group.param_names, group.main_params):
-                if main.grad is not None and main.grad.numel() and not bool(torch.isfinite(main.grad).all()):
-                    bad = "NaN" if bool(torch.isnan(main.grad).any()) else "Inf"
+                grad = local_piece(main.grad)
+                if grad is not None and grad.numel() and not bool(torch.isfinite(grad).all()):
+                    bad = "NaN" if bool(torch.isnan(grad).any()) else "Inf"
                     raise RuntimeError(
                         f"{bad} in the reduced gradient of parameter {name!r} on data-parallel rank "
                         f"{self.comm.rank} (strategy {self.strategy.name}); check the loss and learning rate.")
@@ -388,7 +390,8 @@ class Engine:
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip main grads by the global norm over all ranks' shards (fp32, one scalar all-reduce)."""
         norm_type = float(norm_type)
-        grads = [m.grad for g in self.groups for m in g.main_params if m.grad is not None and m.grad.numel()]
+        grads = [local_piece(m.grad) for g in self.groups for m in g.main_params
+                 if m.grad is not None and local_piece(m.grad).numel()]
         device = self.groups[0].device
         if norm_type == float("inf"):
             local = max((gr.detach().abs().max().float() for gr in grads), default=torch.zeros((), device=device))

@@ -26,6 +26,7 @@ from .nested import absorb_wrapped_submodules
 from .optimizer_hook import mark_replaced
 from .param_group import ParamGroup
 from .rank_agreement import check_ranks_agree
+from .row_sharded import mesh_of_group
 from .strategy import ShardingStrategy, get_strategy
 from .summon import summon_full_params
 from .units import assign_units
@@ -308,6 +309,7 @@ def fully_shard(
     check_for_nan_in_grad: bool = False,
     broadcast_buffers: bool = True,
     unused_param_grads: str = "none",
+    dtensor_params: bool = True,
 ) -> nn.Module:
     """Shard ``module`` over ``process_group`` with a Megatron sharding strategy; returns it.
 
@@ -327,6 +329,12 @@ def fully_shard(
         unused_param_grads: ``"none"`` (torch DDP / FSDP2): a parameter no rank used keeps
             ``.grad = None``, so optimizers skip it; ``"zeros"``: it gets a zero gradient
             (Megatron DDP's ``main_grad`` semantics).
+        dtensor_params: ``True``: with the sharded strategies, ``parameters()`` are DTensors
+            (``Shard(0)`` over ``process_group``, this rank's whole rows; row_sharded.py) with the
+            original shapes, so ``torch.nn.utils.clip_grad_norm_`` gives the global norm and
+            ``torch.distributed.checkpoint.state_dict`` works; ``False``: plain tensors holding this
+            rank's rows ``[rows_here, *shape[1:]]`` (what Megatron's optimizer expects; clip with
+            ``model.clip_grad_norm_``). ``no_shard`` parameters are always plain whole tensors.
 
     Submodules already wrapped by an earlier ``fully_shard`` call become units of this one, each
     keeping its own ``mixed_precision`` (FSDP2's nesting: wrap the blocks, then the root). Every
@@ -341,6 +349,8 @@ def fully_shard(
         raise TypeError(f"mixed_precision must be a MixedPrecisionPolicy or None, got {type(mixed_precision).__name__}.")
     if unused_param_grads not in ("none", "zeros"):
         raise ValueError(f"unused_param_grads must be 'none' or 'zeros', got {unused_param_grads!r}.")
+    if not isinstance(dtensor_params, bool):
+        raise TypeError(f"dtensor_params must be True or False, got {dtensor_params!r}.")
     alloc = make_allocator(allocator)
     _check_process_group(process_group)
     comm = Communicator(process_group)
@@ -360,10 +370,12 @@ def fully_shard(
         "broadcast_buffers": str(bool(broadcast_buffers)),
         "unused_param_grads": unused_param_grads,
         "check_for_nan_in_grad": str(bool(check_for_nan_in_grad)),
+        "dtensor_params": str(dtensor_params),
     })
     _sync_module_states(module, comm)
 
     alignment = default_alignment(device)
+    mesh = mesh_of_group(comm.group, device) if dtensor_params and strategy.optim_sharded else None
     units: list[Unit] = []
     for unit_index, spec in enumerate(specs):
         policy = policy_of.get(id(spec.module), mixed_precision)
@@ -378,7 +390,7 @@ def fully_shard(
                    f"{'/full_precision' if keep_precision else ''}")
             group = ParamGroup(tag, [e[2] for e in entries], [e[0] for e in entries], strategy, comm,
                                resolve_dtypes(dtype, policy, requires_grad, keep_precision), alloc, device,
-                               alignment)
+                               alignment, mesh)
             group.all_names = [e[1] for e in entries]
             group.param_dtype = dtype
             groups.append(group)

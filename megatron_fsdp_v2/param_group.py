@@ -25,6 +25,7 @@ import torch.nn as nn
 from .allocators.base import Allocator
 from .comm import Communicator
 from .layout import FlatLayout, build_layout
+from .row_sharded import row_sharded
 from .mixed_precision import GroupDtypes
 from .strategy import ShardingStrategy
 
@@ -58,6 +59,7 @@ class ParamGroup:
         allocator: Allocator,
         device: torch.device,
         alignment: int = 1,
+        mesh=None,
     ) -> None:
         self.name = name
         self.params = list(params)
@@ -69,7 +71,10 @@ class ParamGroup:
         self.allocator = allocator
         self.device = device
         self.requires_grad = self.params[0].requires_grad
-        self.layout: FlatLayout = build_layout([p.numel() for p in self.params], comm.size, alignment)
+        self.layout: FlatLayout = build_layout([tuple(p.shape) for p in self.params], comm.size, alignment)
+        # Sharded main weights face the optimizer as RowShardedTensors on this mesh (None: as plain
+        # tensors holding this rank's rows, what Megatron's optimizer expects).
+        self.mesh = mesh if strategy.optim_sharded else None
         rank = comm.rank
         self.shard_start, self.shard_end = (
             self.layout.shard_range(rank) if strategy.optim_sharded else (0, self.layout.total_numel)
@@ -129,6 +134,9 @@ class ParamGroup:
             if not self.compute_weights_are_main_weights:
                 self.rebuild_compute_weights(async_op=False)
 
+        # main_locals: this rank's pieces as plain tensors (what the engine reads and writes);
+        # main_params: the same memory as the optimizer sees it.
+        self.main_locals: list[torch.Tensor] = []
         self.main_params = [self._make_main_param(i) for i in range(len(self.params))]
         if self.requires_grad:
             grad_numel = self.layout.shard_numel if self.strategy.grads_sharded else total
@@ -139,16 +147,27 @@ class ParamGroup:
             self.full_grad = self.grad_shard = None
 
     def _main_view(self, buffer: torch.Tensor, index: int) -> torch.Tensor:
-        """``index``'s piece of a buffer laid out like ``main_shard`` (shard or whole)."""
+        """``index``'s piece of a buffer laid out like ``main_shard``: this rank's rows
+        ``[rows_here, *shape[1:]]`` (a 0-d parameter: ``[1]`` or ``[0]``), or the whole parameter."""
         if self.strategy.optim_sharded:
             piece = self.layout.shard_slice(index, self.comm.rank)
-            return buffer[piece.shard_start:piece.shard_start + piece.numel]
+            splits = self.layout.row_splits(index)
+            rows = splits[self.comm.rank + 1] - splits[self.comm.rank]
+            return buffer[piece.shard_start:piece.shard_start + piece.numel].view(rows, *self.shapes[index][1:])
         start, end = self.layout.param_range(index)
         return buffer[start:end].view(self.shapes[index])
 
+    def facing_optimizer(self, local: torch.Tensor, index: int, requires_grad: bool = False) -> torch.Tensor:
+        """A piece laid out like ``main_shard`` as the optimizer sees it (see ``mesh``)."""
+        if self.mesh is None:
+            return local
+        shape = tuple(self.shapes[index]) or (1,)
+        return row_sharded(local, self.mesh, shape, self.layout.row_splits(index), requires_grad)
+
     def _make_main_param(self, index: int) -> nn.Parameter:
-        main = nn.Parameter(self._main_view(self.main_shard, index), requires_grad=self.requires_grad)
-        return main
+        local = self._main_view(self.main_shard, index)
+        self.main_locals.append(local)
+        return nn.Parameter(self.facing_optimizer(local, index), requires_grad=self.requires_grad)
 
     def _point_params_at(self, full: torch.Tensor) -> None:
         for index, param in enumerate(self.params):
@@ -158,7 +177,7 @@ class ParamGroup:
     # ------------------------------------------------------------------ weights
     def main_version(self) -> int:
         """Changes whenever the optimizer (or a load) writes the main weights in place."""
-        return sum(p._version for p in self.main_params)
+        return self.main_shard._version     # every main parameter is a view of it: one version counter
 
     def rebuild_compute_weights(self, async_op: bool = True) -> None:
         """Rebuild the persistent replicated compute weights from the main weights."""
@@ -383,7 +402,7 @@ class ParamGroup:
             if none_if_unused and not self.got_grad[index] and not bool(view.any()):
                 main.grad = None
             else:
-                main.grad = view
+                main.grad = self.facing_optimizer(view, index)
 
     def zero_grads(self) -> None:
         if self._stash is not None:

@@ -177,7 +177,9 @@ class ParamGroup:
     # ------------------------------------------------------------------ weights
     def main_version(self) -> int:
         """Changes whenever the optimizer (or a load) writes the main weights in place."""
-        return self.main_shard._version     # every main parameter is a view of it: one version counter
+        # In-place ops on a DTensor parameter bump the wrapper's counter, not the local view's
+        # (they run below autograd's in-place tracking); writes to the buffer bump the buffer's.
+        return self.main_shard._version + sum(p._version for p in self.main_params)
 
     def rebuild_compute_weights(self, async_op: bool = True) -> None:
         """Rebuild the persistent replicated compute weights from the main weights."""

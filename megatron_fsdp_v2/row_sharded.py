@@ -37,7 +37,6 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.utils import _pytree as pytree
 
 __all__ = ["RowShardedTensor", "local_piece", "mesh_of_group", "row_sharded"]
 
@@ -83,6 +82,10 @@ class RowShardedTensor(DTensor):
         return ChunkStorageMetadata(offsets=offsets, sizes=self._local_tensor.shape)
 
     def __create_write_items__(self, fqn: str, object) -> list:
+        # A rank holding no rows writes nothing: its empty chunk would share its offset with the
+        # owner's chunk, and DCP keeps one write item per (key, offset).
+        if self._local_tensor.numel() == 0:
+            return []
         chunk = self._chunk()
         return [WriteItem(index=MetadataIndex(fqn, chunk.offsets), type=WriteItemType.SHARD,
                           tensor_data=TensorWriteData(chunk=chunk,
@@ -90,7 +93,7 @@ class RowShardedTensor(DTensor):
                                                       size=self.shape))]
 
     def __create_chunk_list__(self) -> list:
-        return [self._chunk()]
+        return [self._chunk()] if self._local_tensor.numel() else []
 
     def __get_tensor_shard__(self, index) -> torch.Tensor:
         return self._local_tensor
@@ -98,19 +101,38 @@ class RowShardedTensor(DTensor):
     # -- dispatch ----------------------------------------------------------------------------
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        # What DTensor.__torch_dispatch__ does for subclasses (unwrap to DTensor, re-call: the C++
+        # fast path), without pytree: optimizers call this for every tensor at every step.
         kwargs = kwargs or {}
         if func in _MAX_NORM_OPS:
             args = _fill_empty_pieces_for_max_norm(func, args, kwargs)
-        inputs = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, RowShardedTensor)]
-        out = DTensor.__torch_dispatch__.__func__(cls, func, types, args, kwargs)
-        if func._schema.name.startswith("aten::_foreach") and isinstance(out, (list, tuple)) and args \
-                and isinstance(args[0], (list, tuple)) and len(out) == len(args[0]):
-            return type(out)(_keep_ours(o, [a]) for o, a in zip(out, args[0]))
-        return pytree.tree_map_only(DTensor, lambda o: _keep_ours(o, inputs), out)
+        inputs: list = []
+        plain_args = tuple(_as_dtensor(a, inputs) for a in args)
+        plain_kwargs = {k: _as_dtensor(v, inputs) for k, v in kwargs.items()}
+        out = func(*plain_args, **plain_kwargs)
+        if isinstance(out, DTensor):
+            return _keep_ours(out, inputs)
+        if isinstance(out, (list, tuple)):
+            if func._schema.name.startswith("aten::_foreach") and args and isinstance(args[0], (list, tuple)) \
+                    and len(out) == len(args[0]):
+                return type(out)(_keep_ours(o, [a]) for o, a in zip(out, args[0]))
+            return type(out)(_keep_ours(o, inputs) for o in out)
+        return out
 
     def __repr__(self) -> str:  # noqa: D105
         return (f"RowShardedTensor(shape={tuple(self.shape)}, rows here={tuple(self._local_tensor.shape)}, "
                 f"row_splits={self.row_splits}, dtype={self.dtype})")
+
+
+def _as_dtensor(value, inputs: list):
+    """``value`` with every RowShardedTensor (also inside a list or tuple) as a plain DTensor of
+    the same local tensor and spec; those inputs are appended to ``inputs``."""
+    if type(value) is RowShardedTensor:
+        inputs.append(value)
+        return DTensor(value._local_tensor, value._spec, requires_grad=value.requires_grad)
+    if isinstance(value, (list, tuple)) and value and any(type(v) is RowShardedTensor for v in value):
+        return type(value)(_as_dtensor(v, inputs) for v in value)
+    return value
 
 
 def _keep_ours(out, inputs):
@@ -161,8 +183,14 @@ def local_piece(tensor: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 
 
 def mesh_of_group(group, device: torch.device) -> DeviceMesh:
-    """The 1-D DeviceMesh of a process group (what DTensor placements refer to)."""
-    return DeviceMesh.from_group(group if group is not None else dist.group.WORLD, device_type=device.type)
+    """The 1-D DeviceMesh of a process group (what DTensor placements refer to).
+
+    The dimension is named after the group: DeviceMesh equality ignores the process group, so two
+    meshes over the same ranks from different groups compare equal and DTensor's sharding cache
+    hands one's specs (and thus its group, possibly destroyed since) to ops on the other."""
+    group = group if group is not None else dist.group.WORLD
+    return DeviceMesh.from_group(group, device_type=device.type,
+                                 mesh_dim_names=(f"megatron_fsdp_v2_dp_{group.group_name}",))
 
 
 def row_sharded(local: torch.Tensor, mesh: DeviceMesh, shape: Sequence[int], row_splits: Sequence[int],

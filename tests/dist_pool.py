@@ -28,6 +28,7 @@ Contract for ``fn`` and its arguments / results:
   ``fresh=True`` runs ``fn`` in newly spawned processes that are shut down afterwards (the
   behaviour before the pool): for tests whose claim is about new processes (e.g. resuming from a
   checkpoint) or that change process-wide state the resets above do not cover.
+* A result's DTensors arrive as their local pieces (``to_local()``): the parent has no process group.
 * Workers are process-group leaders: killing a pool also kills what its workers started (e.g. the
   ``multiprocessing.Manager`` Megatron's checkpoint writer keeps), and a worker whose parent died
   (pytest killed) kills its group within a second instead of waiting in a collective.
@@ -211,9 +212,26 @@ def _megatron_cleanup() -> Optional[str]:
     return None
 
 
+def _local_pieces(obj):
+    """A result with every DTensor replaced by this rank's local piece: a DTensor names its process
+    group, which the parent does not have (ranks return what they hold, as plain tensors)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(obj, DTensor):
+        return obj.to_local()
+    if isinstance(obj, dict):
+        return type(obj)((k, _local_pieces(v)) for k, v in obj.items()) if type(obj) is not dict \
+            else {k: _local_pieces(v) for k, v in obj.items()}
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(_local_pieces(v) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_local_pieces(v) for v in obj)
+    return obj
+
+
 def _send(conn, message) -> None:
     try:
-        payload = _dumps(message)
+        payload = _dumps(_local_pieces(message))
     except BaseException:  # noqa: BLE001 - an unpicklable result is this rank's error
         payload = _dumps(("error", "the result could not be serialised:\n" + traceback.format_exc(), None))
     conn.send_bytes(payload)

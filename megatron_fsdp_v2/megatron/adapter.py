@@ -39,8 +39,8 @@ DDP wrapper) but never runs its buffer-building ``__init__``: it initialises
 ...) empty. Every member the training loop, ``finalize_model_grads``, the schedules and the
 optimizer call is overridden here.
 
-``named_parameters()`` yields the *optimizer-facing* main weights (this rank's fp32 shard: 1-D
-slices for the sharded strategies), named ``module.<original name>`` like Megatron's DDP, with
+``named_parameters()`` yields the *optimizer-facing* main weights (this rank's fp32 shard: its rows
+``[rows_here, *shape[1:]]`` as plain tensors for the sharded strategies), named ``module.<original name>`` like Megatron's DDP, with
 the original parameter's Megatron attributes (``allreduce``, ``tensor_model_parallel``,
 ``is_embedding_or_output_parameter``, ...) copied onto them and the original shape in
 ``ORIGINAL_SHAPE_ATTR``. ``self.ddp_config`` is a copy of the given config with
@@ -73,7 +73,7 @@ from ..strategy import STRATEGY_NAMES, get_strategy
 logger = logging.getLogger(__name__)
 
 #: Attribute set on every optimizer-facing main parameter: the ``torch.Size`` of the original
-#: parameter (the main parameter itself is a 1-D shard for the sharded strategies).
+#: parameter (the main parameter itself holds this rank's rows for the sharded strategies).
 ORIGINAL_SHAPE_ATTR = "megatron_fsdp_v2_original_shape"
 
 # Attributes of model parameters that are per-tensor state, not metadata: never copied.
@@ -277,8 +277,9 @@ class FullyShardedDataParallel(DistributedDataParallel):
         self._megatron_layout = megatron_layout(unwrapped)
         fully_shard(module, sharding_strategy=strategy, process_group=dp_group, unit_modules=units,
                     mixed_precision=policy, check_for_nan_in_grad=bool(ddp_config.check_for_nan_in_grad),
-                    # Megatron DDP: buffers are not broadcast, and every main_grad exists (zeros if unused)
-                    broadcast_buffers=False, unused_param_grads="zeros")
+                    # Megatron DDP: buffers are not broadcast, and every main_grad exists (zeros if unused);
+                    # Megatron's optimizer takes plain tensors (this rank's rows), not DTensors
+                    broadcast_buffers=False, unused_param_grads="zeros", dtensor_params=False)
         _BaseDataParallel.__init__(self, config=config, module=module)
 
         self.ddp_config = dataclasses.replace(ddp_config, use_megatron_fsdp=True)

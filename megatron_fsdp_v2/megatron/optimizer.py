@@ -2,13 +2,14 @@
 
 ``get_optimizer(config, model_chunks, config_overrides=None, ...)`` has the signature of
 ``megatron.core.optimizer.get_megatron_optimizer`` and returns what it returns, built on the
-wrapper's main weights (``wrapper.named_parameters()``: this rank's fp32 shard of each parameter,
-1-D for the sharded strategies). It differs from calling ``get_megatron_optimizer`` directly in
-four places, each because the optimizer-facing parameters are flat shards:
+wrapper's main weights (``wrapper.named_parameters()``: this rank's fp32 rows of each parameter,
+``[rows_here, *shape[1:]]``, for the sharded strategies). It differs from calling
+``get_megatron_optimizer`` directly in four places, each because the optimizer-facing parameters
+are pieces:
 
 1. **Weight decay by original shape.** Megatron's standard overrides skip weight decay for
-   ``len(param.shape) == 1`` or names ending in ``.bias``: on 1-D shards every matrix would lose
-   its weight decay. ``with_original_shapes(config_overrides)`` re-evaluates every ``ParamKey``
+   ``len(param.shape) == 1`` or names ending in ``.bias``: a piece keeps its dimensions, but a
+   predicate on the shape or size would see the piece's. ``with_original_shapes(config_overrides)`` re-evaluates every ``ParamKey``
    (name, attribute and predicate matches) against a meta-device stand-in with the parameter's
    original shape and attributes. ``config_overrides=None`` means Megatron's standard overrides.
 2. **The optimizer class.** ``adam``: ``use_distributed_optimizer=True``, i.e. Megatron's

@@ -8,6 +8,8 @@ import os
 import pytest
 import torch.distributed as dist
 
+from megatron_fsdp_v2.row_sharded import local_piece
+
 from .dist_utils import run_distributed
 
 
@@ -41,3 +43,9 @@ def distributed_fixture(worker, label: str, world_size: int = 2):
         return run_distributed(worker, world_size, str(tmp_path_factory.mktemp(label)))
 
     return results
+
+
+def snapshot(model, opt):
+    """Full weights, and this rank's optimizer state by parameter name (local pieces, plain tensors)."""
+    return model.full_state_dict(), {n: {k: local_piece(v).clone() for k, v in opt.state[p].items()}
+                                     for n, p in model.named_parameters()}

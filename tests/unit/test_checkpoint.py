@@ -7,6 +7,7 @@ import pickle
 
 import pytest
 import torch
+
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from hypothesis import given, settings
@@ -18,7 +19,7 @@ from megatron_fsdp_v2 import (STRATEGY_NAMES, ChecksummedFileSystemWriter, Mixed
                               optimizer_state_dict, save_checkpoint)
 from megatron_fsdp_v2.dcp_format import flat_range_boxes
 
-from .checkpoint_helpers import distributed_fixture, run_parts
+from .checkpoint_helpers import distributed_fixture, run_parts, snapshot
 from .dist_utils import run_distributed
 from .models import Block, UnevenNet
 from .test_checkpoint_safety import Marker
@@ -47,12 +48,6 @@ def _train(model, opt, steps, rank, dp, dtype=torch.float32):
         ((out - y.to(out.dtype)) ** 2).mean().backward()
         opt.step()
         opt.zero_grad()
-
-
-def _snapshot(model, opt):
-    """Full weights, and this rank's optimizer state by parameter name."""
-    state = {name: {k: v.clone() for k, v in opt.state[p].items()} for name, p in model.named_parameters()}
-    return model.full_state_dict(), state
 
 
 def _differences(got, want, close):
@@ -85,7 +80,7 @@ def _resume_save_worker(rank, world, root):
     for strategy in STRATEGY_NAMES:
         model, opt = _build(strategy)
         _train(model, opt, range(6), rank, world)
-        continuous[strategy] = _snapshot(model, opt)
+        continuous[strategy] = snapshot(model, opt)
         model, opt = _build(strategy)
         _train(model, opt, range(3), rank, world)
         dcp.save(model.state_dict(), checkpoint_id=f"{root}/{strategy}/model")
@@ -104,7 +99,7 @@ def _resume_load_worker(rank, world, root):
         dcp.load(osd, checkpoint_id=f"{root}/{strategy}/optim")
         load_optimizer_state_dict(model, opt, osd)
         _train(model, opt, range(3, 6), rank, world)
-        resumed[strategy] = _snapshot(model, opt)
+        resumed[strategy] = snapshot(model, opt)
     return resumed
 
 
@@ -161,13 +156,13 @@ def _load_everything_at(rank, dp, group, root):
     for target in STRATEGY_NAMES:
         model, opt = _build(target, process_group=group, model_fn=_fp64_net)
         _train(model, opt, range(4), rank, dp, torch.float64)
-        reference = _snapshot(model, opt)
+        reference = snapshot(model, opt)
         for saved_dp in DP_SIZES:
             for saved in STRATEGY_NAMES:
                 model, opt = _build(target, seed=1, process_group=group, model_fn=_fp64_net)
                 load_checkpoint(f"{root}/dp{saved_dp}/{saved}", model, opt)
                 _train(model, opt, range(2, 4), rank, dp, torch.float64)
-                bad = _differences(_snapshot(model, opt), reference, close)
+                bad = _differences(snapshot(model, opt), reference, close)
                 if bad:
                     failures.append(f"({saved_dp}, {saved}) -> ({dp}, {target}): {bad[:5]}")
                 checked += 1
@@ -193,7 +188,7 @@ def _failed_save_worker(rank, world, root):
     model, opt = _build("optim_grads")
     _train(model, opt, range(1), rank, world)
     save_checkpoint(path, model, opt)
-    good = _snapshot(model, opt)
+    good = snapshot(model, opt)
     _train(model, opt, range(1, 2), rank, world)
 
     original = FileSystemWriter.write_data
@@ -218,14 +213,14 @@ def _failed_save_worker(rank, world, root):
 
     fresh, fresh_opt = _build("optim_grads", seed=1)
     load_checkpoint(path, fresh, fresh_opt)
-    intact = not _differences(_snapshot(fresh, fresh_opt), good, torch.equal)
+    intact = not _differences(snapshot(fresh, fresh_opt), good, torch.equal)
 
     if rank == 0:                  # a save that died between its two renames: only path.old exists
         os.rename(path, path + ".old")
     dist.barrier()
     fresh, fresh_opt = _build("optim_grads", seed=1)
     load_checkpoint(path, fresh, fresh_opt)
-    old_intact = not _differences(_snapshot(fresh, fresh_opt), good, torch.equal)
+    old_intact = not _differences(snapshot(fresh, fresh_opt), good, torch.equal)
     save_checkpoint(path, model, opt)
     return error, after_failure, intact, old_intact, sorted(os.listdir(root))
 

@@ -27,7 +27,8 @@ import torch.distributed as dist
 from megatron_fsdp_v2 import ChecksummedFileSystemWriter, load_checkpoint, save_checkpoint
 
 from .dist_utils import run_distributed
-from .test_checkpoint_guarantees import build, same, snapshot, train
+from .checkpoint_helpers import snapshot
+from .test_checkpoint_guarantees import build, same, train
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 KILLED = 17                                        # the victim's exit status

@@ -19,6 +19,7 @@ from unittest import mock
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
@@ -27,8 +28,9 @@ from megatron_fsdp_v2 import (SafeFileSystemReader, fully_shard, load_checkpoint
                               optimizer_state_dict, save_checkpoint)
 from megatron_fsdp_v2 import checkpoint_commit
 from megatron_fsdp_v2.dcp_format import FlatRangeShard
+from megatron_fsdp_v2.row_sharded import local_piece
 
-from .checkpoint_helpers import distributed_fixture, failure, run_parts
+from .checkpoint_helpers import distributed_fixture, failure, run_parts, snapshot
 from .models import Block, UnevenNet
 
 
@@ -46,12 +48,6 @@ def train(model, opt, steps, rank, world):
         ((model(x[rank * per:(rank + 1) * per]) - y[rank * per:(rank + 1) * per]) ** 2).mean().backward()
         opt.step()
         opt.zero_grad()
-
-
-def snapshot(model, opt):
-    """Full weights, and this rank's optimizer state by parameter name."""
-    return model.full_state_dict(), {n: {k: v.clone() for k, v in opt.state[p].items()}
-                                     for n, p in model.named_parameters()}
 
 
 def same(got, want) -> bool:
@@ -77,9 +73,13 @@ def _truncate(path, size=None):
 def _flip_in_own_shard(model, directory, rank):
     """Flip the top exponent bit of the first element of this rank's shard of the first sharded
     weight it holds, in its own shard file; returns (key, value read back by torch's reader)."""
-    name, value = next((k, v) for k, v in model.state_dict().items()
-                       if isinstance(v, FlatRangeShard) and v.local_flat.numel() >= 16)
-    piece = next(value.pieces())[2].contiguous()
+    def first_chunk(value):      # the first chunk this rank writes of a sharded value
+        if isinstance(value, FlatRangeShard):
+            return next(value.pieces())[2].contiguous() if value.local_flat.numel() else None
+        return local_piece(value).contiguous() if isinstance(value, DTensor) else None
+
+    name, piece = next((k, c) for k, c in ((k, first_chunk(v)) for k, v in model.state_dict().items())
+                       if c is not None and c.numel() >= 16)
     path = f"{directory}/__{rank}_0.distcp"
     with open(path, "rb") as f:
         data = bytearray(f.read())

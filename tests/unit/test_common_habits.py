@@ -16,6 +16,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
 from megatron_fsdp_v2 import STRATEGY_NAMES, MixedPrecisionPolicy, fully_shard, summon_full_params
+from megatron_fsdp_v2.row_sharded import local_piece
 
 from .dist_utils import run_distributed
 from .models import Block, UnevenNet, make_batches
@@ -50,13 +51,13 @@ def backward_twice(rank, strategy):
     x = torch.full((1, 1), float(rank + 1))
     for _ in range(2):
         model(x).sum().backward()
-    out["grads"] = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).tolist()
+    out["grads"] = torch.cat([local_piece(p.grad).reshape(-1) for p in model.parameters()]).tolist()
     if strategy != "optim_grads_params":       # ZeRO-3 frees the weights a second backward needs
         model.zero_grad()
         y = model(x).sum()
         y.backward(retain_graph=True)
         y.backward()
-        out["retain_graph_grads"] = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).tolist()
+        out["retain_graph_grads"] = torch.cat([local_piece(p.grad).reshape(-1) for p in model.parameters()]).tolist()
     # five AdamW steps of two backwards each, against DDP
     torch.manual_seed(0)
     ddp = DistributedDataParallel(UnevenNet())
@@ -142,7 +143,7 @@ def unused_params(rank, strategy):
     if group.strategy.optim_sharded:
         piece = group.layout.shard_slice(index, rank)
         ddp_grad = ddp_grad[piece.param_start:piece.param_end]
-    grad = group.main_params[index].grad
+    grad = local_piece(group.main_params[index].grad)
     # a rank whose piece is empty has nothing to step: None or empty are both fine there
     out["partial_grad_ok"] = grad is not None or ddp_grad.numel() == 0
     out["partial_diff"] = float((grad.reshape(-1) - ddp_grad).abs().max()) if grad is not None and grad.numel() else 0.0
@@ -225,7 +226,7 @@ def nested_wrapping(rank, strategy):
         fully_shard(block, sharding_strategy=strategy)
     fully_shard(model, sharding_strategy=strategy)
     out["units"] = len(model._fsdp_engine.units)
-    out["local_numel"] = sum(p.numel() for p in model.parameters())
+    out["local_numel"] = sum(local_piece(p).numel() for p in model.parameters())
     for m in (ddp, model):
         _train_adamw(m, rank, steps=3, micro_batches=1)
     out["diff"] = _max_diff(model.full_state_dict(), _ddp_state(ddp))

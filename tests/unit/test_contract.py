@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from megatron_fsdp_v2 import STRATEGY_NAMES, fully_shard
+from megatron_fsdp_v2.row_sharded import local_piece
 
 from .dist_utils import run_distributed
 from .models import Block, EdgeNet, Tiny, UnevenNet, make_batches, make_token_batches
@@ -46,7 +47,7 @@ def edge_worker(rank, world_size):
         full = model.full_state_dict()
         diffs = {n: (full[n] - reference[n]).abs().max().item() for n in reference}
         frozen_moved = (full["frozen.weight"] - initial["frozen.weight"]).abs().max().item()
-        tiny_shard_sizes = [m.numel() for n, m in model.named_parameters() if n == "tiny.gain"]
+        tiny_shard_sizes = [local_piece(m).numel() for n, m in model.named_parameters() if n == "tiny.gain"]
         report[strategy] = (diffs, frozen_moved, names, tiny_shard_sizes, sorted(full))
     return report
 
@@ -79,7 +80,7 @@ def semantics_worker(rank, world_size, strategy):
         out["forward_equal"] = torch.equal(model(x), plain(x))
     mains = list(model.parameters())
     out["main_dtypes"] = {str(p.dtype) for p in mains}
-    out["main_numel"] = sum(p.numel() for p in mains)
+    out["main_numel"] = sum(local_piece(p).numel() for p in mains)
     out["full_numel"] = sum(p.numel() for p in plain.parameters())
     out["all_leaf"] = all(p.is_leaf and p.requires_grad for p in mains)
     # grads: DP mean of per-rank sum over micro-batches
@@ -89,7 +90,7 @@ def semantics_worker(rank, world_size, strategy):
             ((model(xb) - yb) ** 2).mean().backward()
     model.wait_gradient_reduction()
     model.wait_gradient_reduction()      # idempotent
-    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    grads = {n: local_piece(p.grad).clone() for n, p in model.named_parameters()}
     # reference grad: local sums, averaged over ranks with an explicit all_reduce
     plain.zero_grad()
     for xb, yb in batches:
@@ -117,16 +118,16 @@ def semantics_worker(rank, world_size, strategy):
     # zero_grad(set_to_none=False) zeroes, set_to_none=True resets accumulation, model.zero_grad(set_to_none=False) too
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     opt.zero_grad(set_to_none=False)
-    out["zeroed"] = all(float(p.grad.abs().sum()) == 0 for p in model.parameters())
+    out["zeroed"] = all(float(local_piece(p.grad).abs().sum()) == 0 for p in model.parameters())
     xb, yb = batches[0]
     ((model(xb) - yb) ** 2).mean().backward()
-    one = {n: p.grad.clone() for n, p in model.named_parameters()}
+    one = {n: local_piece(p.grad).clone() for n, p in model.named_parameters()}
     opt.zero_grad(set_to_none=True)
     ((model(xb) - yb) ** 2).mean().backward()
-    two = {n: p.grad.clone() for n, p in model.named_parameters()}
+    two = {n: local_piece(p.grad).clone() for n, p in model.named_parameters()}
     out["set_to_none_resets"] = all(torch.equal(one[n], two[n]) for n in one)
     model.zero_grad(set_to_none=False)
-    out["zero_grad_buffer"] = all(float(p.grad.abs().sum()) == 0 for p in model.parameters())
+    out["zero_grad_buffer"] = all(float(local_piece(p.grad).abs().sum()) == 0 for p in model.parameters())
     # updated weights used by the next forward without any other call; unshard(async_op=True) early
     before = model(xb).detach()
     ((model(xb) - yb) ** 2).mean().backward()

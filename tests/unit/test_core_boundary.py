@@ -17,6 +17,7 @@ import torch
 
 import megatron_fsdp_v2
 from megatron_fsdp_v2 import STRATEGY_NAMES, FullyShardedModule, fully_shard
+from megatron_fsdp_v2.row_sharded import local_piece
 from megatron_fsdp_v2.phase import Phase, PhaseMachine
 
 from .dist_utils import run_distributed
@@ -93,13 +94,13 @@ def verbs_worker(rank, world_size):
         model = fully_shard(UnevenNet(), sharding_strategy=strategy, unit_modules=[Block])
         x, y = make_batches(0, rank, 1)[0]
         loss_fn(model(x), y).backward()
-        mean = [p.grad.clone() for p in model.parameters()]
+        mean = [local_piece(p.grad).clone() for p in model.parameters()]
         model.zero_grad()
         model.set_gradient_divide_factor(1.0)                      # sums, as Megatron's per-token loss
         loss_fn(model(x), y).backward()
-        total = [p.grad.clone() for p in model.parameters()]
+        total = [local_piece(p.grad).clone() for p in model.parameters()]
         model.scale_gradients(0.25)
-        quarter = [p.grad.clone() for p in model.parameters()]
+        quarter = [local_piece(p.grad).clone() for p in model.parameters()]
         out[(strategy, "sum")] = max(float((t - world_size * m).abs().max()) for t, m in zip(total, mean) if m.numel())
         out[(strategy, "scale")] = max(float((q - 0.25 * t).abs().max()) for q, t in zip(quarter, total) if t.numel())
         # explicit reduction after no_sync, asynchronously then waited
@@ -109,7 +110,7 @@ def verbs_worker(rank, world_size):
             loss_fn(model(x), y).backward()
         model.reduce_gradients(async_op=True)
         model.wait_gradient_reduction()
-        again = [p.grad.clone() for p in model.parameters()]
+        again = [local_piece(p.grad).clone() for p in model.parameters()]
         out[(strategy, "reduce_gradients")] = max(float((a - m).abs().max()) for a, m in zip(again, mean) if m.numel())
         # one owner per pending collective: a ZeRO-1/2 refresh is not a ZeRO-3 unshard
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -152,7 +153,7 @@ def misordered_worker(rank, world_size):
         message = str(err)
     loss_fn(out, y).backward()      # the pending backward still works after the refused forward
     model.wait_gradient_reduction()
-    return message, all(p.grad is not None for p in model.parameters() if p.numel())
+    return message, all(p.grad is not None for p in model.parameters() if local_piece(p).numel())
 
 
 def test_a_misordered_forward_names_the_phase_it_found():

@@ -19,7 +19,7 @@ def memory_worker(rank, world_size):
     for strategy in STRATEGY_NAMES:
         model, _ = sharded_run(rank, strategy, steps=2, k=2, opt_name="adamw")
         groups = model._fsdp_engine.groups
-        unit_numels = [sum(g.layout.numels) for g in groups]
+        unit_numels = [g.layout.total_numel for g in groups]      # padded by the layout
         zero3_model_params_empty = all(p.numel() == 0 for g in groups for p in g.params)
         out[strategy] = (model.persistent_bytes(), unit_numels, model._fsdp_engine.allocator.live_bytes,
                          zero3_model_params_empty)
@@ -27,8 +27,8 @@ def memory_worker(rank, world_size):
 
 
 def formula(strategy, unit_numels, dp, compute=4, main=4, grad=4):
-    """docs/design.md: bytes a rank keeps between steps (P = a group's numel padded to dp)."""
-    padded = [math.ceil(n / dp) * dp for n in unit_numels]
+    """docs/design.md: bytes a rank keeps between steps (P = a group's buffer, padded by the layout)."""
+    padded = unit_numels
     return design_persistent_bytes(strategy, padded, dp, compute, main, grad, aliased=compute == main)
 
 

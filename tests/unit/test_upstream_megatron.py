@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from megatron_fsdp_v2 import MixedPrecisionPolicy, fully_shard, load_optimizer_state_dict, optimizer_state_dict
+from megatron_fsdp_v2.row_sharded import local_piece
 
 from .upstream_common import (CaseSkipped, all_strategies, check, full_grads, live_temporary_bytes, reports_fixture,
                               run_cases)
@@ -181,7 +182,7 @@ def case_fully_shard_ez(ctx, strategy):
 
 
 def _optimizer_snapshot(model, opt):
-    return {name: {k: v.detach().clone() for k, v in opt.state.get(p, {}).items()}
+    return {name: {k: local_piece(v).detach().clone() for k, v in opt.state.get(p, {}).items()}
             for name, p in model.named_parameters()}
 
 

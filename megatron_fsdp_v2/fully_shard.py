@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 from collections import OrderedDict
-from typing import Iterator, NamedTuple, Optional, Sequence, Union
+from typing import Callable, Iterator, NamedTuple, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -28,6 +28,7 @@ from .param_group import ParamGroup
 from .rank_agreement import check_ranks_agree
 from .row_sharded import mesh_of_group
 from .strategy import ShardingStrategy, get_strategy
+from .meta_init import has_meta_state, initialize_meta_model, replace_meta_parameters
 from .summon import summon_full_params
 from .units import assign_units
 
@@ -298,6 +299,34 @@ def _sync_module_states(module: nn.Module, comm: Communicator) -> None:
     comm.broadcast(tensors, src_group_rank=0, label="rank 0's parameters and buffers at wrap time")
 
 
+def _group_device(comm: Communicator) -> torch.device:
+    """Where a process group's tensors live: the current CUDA device for NCCL, else the CPU."""
+    if dist.get_backend(comm.group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _initialize_from_meta(module: nn.Module, units: list, pending: dict, device: torch.device, init_fn) -> None:
+    """Run meta_init's initializers, writing each parameter's values into its group's main weights,
+    then rebuild the compute weights from them."""
+    where = {id(p): (g, i) for unit in units for g in unit.groups for i, p in enumerate(g.params)}
+
+    def write(param, full):
+        group, index = where[id(param)]
+        group.write_main_values(index, full)
+
+    def restore(param):
+        group, index = where[id(param)]
+        group.repoint_param(index)
+
+    initialize_meta_model(module, pending, write, restore, device, init_fn)
+    for unit in units:
+        for group in unit.groups:
+            if not group.strategy.weights_sharded:       # ZeRO-3 gathers at use
+                group.rebuild_compute_weights(async_op=False)
+                group.wait_refresh()
+
+
 def fully_shard(
     module: nn.Module,
     *,
@@ -310,6 +339,7 @@ def fully_shard(
     broadcast_buffers: bool = True,
     unused_param_grads: str = "none",
     dtensor_params: bool = True,
+    init_fn: Optional[Callable[[nn.Module], None]] = None,
 ) -> nn.Module:
     """Shard ``module`` over ``process_group`` with a Megatron sharding strategy; returns it.
 
@@ -335,6 +365,13 @@ def fully_shard(
             ``torch.distributed.checkpoint.state_dict`` works; ``False``: plain tensors holding this
             rank's rows ``[rows_here, *shape[1:]]`` (what Megatron's optimizer expects; clip with
             ``model.clip_grad_norm_``). ``no_shard`` parameters are always plain whole tensors.
+        init_fn: for a module built on the meta device: called on every submodule (children before
+            their parent) instead of its ``reset_parameters()`` (meta_init.py, [Note: initializing
+            from meta]); ignored for a module whose parameters exist.
+
+    A module built on the meta device (``with torch.device("meta"):``) is materialized on the
+    process group's device one initializer at a time, each rank keeping only its shards: see
+    README "Models that do not fit on one GPU".
 
     Submodules already wrapped by an earlier ``fully_shard`` call become units of this one, each
     keeping its own ``mixed_precision`` (FSDP2's nesting: wrap the blocks, then the root). Every
@@ -351,12 +388,16 @@ def fully_shard(
         raise ValueError(f"unused_param_grads must be 'none' or 'zeros', got {unused_param_grads!r}.")
     if not isinstance(dtensor_params, bool):
         raise TypeError(f"dtensor_params must be True or False, got {dtensor_params!r}.")
+    if init_fn is not None and not callable(init_fn):
+        raise TypeError(f"init_fn must be a callable taking a module, or None, got {type(init_fn).__name__}.")
     alloc = make_allocator(allocator)
     _check_process_group(process_group)
     comm = Communicator(process_group)
     # Units (and their policies) of earlier fully_shard calls on submodules: their parameters are
     # made whole again here, then sharded with the rest.
     inner_policies = absorb_wrapped_submodules(module, strategy, comm, FullyShardedModule)
+    from_meta = has_meta_state(module)
+    pending = replace_meta_parameters(module, _group_device(comm)) if from_meta else {}
     device = _check_params(module)
     specs = assign_units(module, unit_modules, unit_instances=[m for m, _ in inner_policies])
     policy_of = {id(m): policy for m, policy in inner_policies}
@@ -370,9 +411,11 @@ def fully_shard(
         "broadcast_buffers": str(bool(broadcast_buffers)),
         "unused_param_grads": unused_param_grads,
         "check_for_nan_in_grad": str(bool(check_for_nan_in_grad)),
+        "built on the meta device": str(from_meta),
         "dtensor_params": str(dtensor_params),
     })
-    _sync_module_states(module, comm)
+    if not from_meta:        # a meta model is initialized the same on every rank (same RNG state)
+        _sync_module_states(module, comm)
 
     alignment = default_alignment(device)
     mesh = mesh_of_group(comm.group, device) if dtensor_params and strategy.optim_sharded else None
@@ -399,6 +442,8 @@ def fully_shard(
         unit = Unit(unit_index, spec.module, spec.fqn, groups)
         unit.mixed_precision = policy
         units.append(unit)
+    if from_meta:
+        _initialize_from_meta(module, units, pending, device, init_fn)
 
     main_by_param = {}
     for unit in units:

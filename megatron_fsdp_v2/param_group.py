@@ -169,6 +169,25 @@ class ParamGroup:
         self.main_locals.append(local)
         return nn.Parameter(self.facing_optimizer(local, index), requires_grad=self.requires_grad)
 
+    def write_main_values(self, index: int, full: torch.Tensor) -> None:
+        """Store parameter ``index``'s values (a full tensor) in this rank's main weights (a model
+        initialized from meta: meta_init.py). The compute weights follow at the next rebuild."""
+        if self.strategy.optim_sharded:
+            piece = self.layout.shard_slice(index, self.comm.rank)
+            values = full.detach().reshape(-1)[piece.param_start:piece.param_end]
+        else:
+            values = full.detach().reshape(-1)
+        with torch.no_grad():
+            self.main_locals[index].copy_(values.view(self.main_locals[index].shape))
+
+    def repoint_param(self, index: int) -> None:
+        """Point the module's parameter ``index`` back at what this group holds for it."""
+        if self.model_weights is None:
+            self.params[index].data = torch.empty(0, dtype=self.dtypes.compute, device=self.device)
+        else:
+            start, end = self.layout.param_range(index)
+            self.params[index].data = self.model_weights[start:end].view(self.shapes[index])
+
     def _point_params_at(self, full: torch.Tensor) -> None:
         for index, param in enumerate(self.params):
             start, end = self.layout.param_range(index)

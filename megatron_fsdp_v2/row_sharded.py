@@ -104,6 +104,9 @@ class RowShardedTensor(DTensor):
         # What DTensor.__torch_dispatch__ does for subclasses (unwrap to DTensor, re-call: the C++
         # fast path), without pytree: optimizers call this for every tensor at every step.
         kwargs = kwargs or {}
+        local = _run_locally(func, args, kwargs)
+        if local is not _NOT_LOCAL:
+            return local
         if func in _MAX_NORM_OPS:
             args = _fill_empty_pieces_for_max_norm(func, args, kwargs)
         inputs: list = []
@@ -122,6 +125,91 @@ class RowShardedTensor(DTensor):
     def __repr__(self) -> str:  # noqa: D105
         return (f"RowShardedTensor(shape={tuple(self.shape)}, rows here={tuple(self._local_tensor.shape)}, "
                 f"row_splits={self.row_splits}, dtype={self.dtype})")
+
+
+# -- the local fast path ---------------------------------------------------------------------
+# Elementwise ops whose tensor arguments are RowShardedTensors of one layout (a parameter, its
+# grad, its optimizer state) and scalars need no sharding propagation: each rank computes on its
+# rows. Running them on the local pieces directly keeps torch.optim's per-tensor loops (the CPU
+# default) within ~2x of plain tensors instead of ~5x through DTensor's dispatcher.
+_NOT_LOCAL = object()
+_LOCAL_OPS = {_aten.detach.default, _aten.alias.default, _aten.clone.default, _aten._to_copy.default,
+              _aten.zeros_like.default, _aten.empty_like.default, _aten.ones_like.default,
+              _aten.copy_.default, _aten.zero_.default, _aten.fill_.Scalar, _aten.lerp_.Scalar,
+              _aten._fused_adam_.default, _aten._fused_adamw_.default, _aten._fused_sgd_.default}
+
+
+def _is_local_op(func) -> bool:
+    if func in _LOCAL_OPS:
+        return True
+    if torch.Tag.pointwise in func.tags:
+        return True
+    name = func._schema.name
+    return name.startswith("aten::_foreach_") and "norm" not in name and "max" not in name \
+        and "min" not in name
+
+
+def _local_value(value, reference: list):
+    """(local form of one argument, ok): RowShardedTensors of one layout become their pieces,
+    0-d tensors and replicated 0-d DTensors stay scalars; anything else is not local."""
+    if type(value) is RowShardedTensor:
+        if reference and value.row_splits != reference[0].row_splits:
+            return None, False
+        reference.append(value)
+        return value._local_tensor, True
+    if isinstance(value, DTensor):
+        if value.dim() == 0 and all(isinstance(p, Replicate) for p in value.placements):
+            return value._local_tensor, True
+        return None, False
+    if isinstance(value, torch.Tensor):
+        return value, value.dim() == 0
+    if isinstance(value, (list, tuple)):
+        out = []
+        for v in value:
+            local, ok = _local_value(v, reference)
+            if not ok:
+                return None, False
+            out.append(local)
+        return type(value)(out), True
+    return value, True
+
+
+def _run_locally(func, args, kwargs):
+    if not _is_local_op(func):
+        return _NOT_LOCAL
+    reference: list = []
+    local_args, ok = _local_value(args, reference)
+    if not ok or not reference:
+        return _NOT_LOCAL
+    local_kwargs, ok = _local_value(kwargs, reference)
+    if not ok:
+        return _NOT_LOCAL
+    out = func(*local_args, **local_kwargs)
+    like = reference[0]
+    pieces = {id(r._local_tensor): r for r in reference}
+
+    def wrap(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        if id(t) in pieces:                      # in-place: the argument itself
+            return pieces[id(t)]
+        if t.shape == like._local_tensor.shape:
+            return _wrap(t, _spec_with_dtype(like._spec, t.dtype), like.row_splits, False)
+        raise RuntimeError(f"RowShardedTensor: {func} on local pieces gave shape {tuple(t.shape)}, expected "
+                           f"{tuple(like._local_tensor.shape)}")
+
+    if isinstance(out, (list, tuple)):
+        return type(out)(wrap(t) for t in out)
+    return wrap(out)
+
+
+def _spec_with_dtype(spec, dtype):
+    if spec.tensor_meta.dtype == dtype:
+        return spec
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    meta = TensorMeta(shape=spec.tensor_meta.shape, stride=spec.tensor_meta.stride, dtype=dtype)
+    return DTensorSpec(spec.mesh, spec.placements, tensor_meta=meta)
 
 
 def _as_dtensor(value, inputs: list):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 
 def full_optimizer_state(model, optimizer, group=None) -> dict:
@@ -23,7 +24,9 @@ def full_optimizer_state(model, optimizer, group=None) -> dict:
     for key, value in optimizer_state_dict(model, optimizer).items():
         if key.startswith("param_groups."):
             continue
-        if isinstance(value, FlatRangeShard):
+        if isinstance(value, DTensor):
+            value = value.full_tensor()
+        elif isinstance(value, FlatRangeShard):
             flat = torch.zeros(value.shape.numel(), dtype=value.dtype, device=value.local_flat.device)
             flat[value.flat_start:value.flat_end] = value.local_flat
             dist.all_reduce(flat, group=group)

@@ -18,6 +18,8 @@
 from __future__ import annotations
 
 import math
+import pathlib
+import shutil
 
 import pytest
 import torch
@@ -343,3 +345,37 @@ def test_checkpoints_interchange_with_torch_fsdp2(tmp_path, direction):
         assert sorted(weights) == sorted(never_moved)
         for name, want in never_moved.items():
             torch.testing.assert_close(weights[name], want, rtol=1e-5, atol=1e-6, msg=f"{direction} rank {rank} {name}")
+
+
+# ---------------------------------------------------------------- checkpoints of the earlier layout
+OLD = pathlib.Path(__file__).parent.parent / "data" / "layout_v1_zero3_dp2"
+
+
+def old_checkpoint_worker(rank, world, directory, strategy):
+    from megatron_fsdp_v2 import load_checkpoint
+    from tests.state_gather import full_optimizer_state
+
+    torch.manual_seed(3)
+    model = fully_shard(UnevenNet(), sharding_strategy=strategy, unit_modules=[Block])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    load_checkpoint(directory, model, opt)
+    return model.full_state_dict(), full_optimizer_state(model, opt)
+
+
+def test_checkpoints_of_the_earlier_layout_still_load(tmp_path):
+    """A save_checkpoint directory written by the layout before rows were snapped (ZeRO-3 at dp 2:
+    ranges that start mid-row) loads bitwise at dp 3 into ZeRO-3 and at dp 2 into ZeRO-1."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(str(OLD / "checkpoint")).read_metadata()
+    inner_offsets = [c.offsets[-1] for md in metadata.state_dict_metadata.values()
+                     if hasattr(md, "chunks") for c in md.chunks if len(c.offsets) == 2]
+    assert any(inner_offsets), "the fixture should hold chunks that start mid-row"
+    want = torch.load(OLD / "full_state.pt", weights_only=True)
+    directory = tmp_path / "old"
+    shutil.copytree(OLD / "checkpoint", directory)
+    for world, strategy in ((3, "optim_grads_params"), (2, "optim")):
+        for rank, (weights, optimizer) in enumerate(run_distributed(old_checkpoint_worker, world, str(directory),
+                                                                     strategy)):
+            _assert_equal(weights, want["model"], (world, rank, strategy, "model"))
+            _assert_equal(optimizer, want["optimizer"], (world, rank, strategy, "optimizer"))

@@ -142,14 +142,23 @@ def use_fully_sharded_data_parallel():
         return original_wrap(model_chunks, config, ddp_config, DP=DATA_PARALLEL_CLASS,
                              pg_collection=pg_collection, **kwargs)
 
+    # --init-model-with-meta-device: get_model would give the meta chunks uninitialized storage
+    # (to_empty) unless Megatron-FSDP or FSDP2 wraps them; ours initializes and shards them itself.
+    original_to_empty = training.to_empty_if_meta_device
+
+    def keep_on_meta(module, *, device, recurse=True):
+        return module
+
     training.wrap_model_chunks_with_ddp = wrap_model_chunks
     training.get_megatron_optimizer = get_optimizer
+    training.to_empty_if_meta_device = keep_on_meta
     with _prebuilt_dataset_helpers():
         try:
             yield
         finally:
             training.wrap_model_chunks_with_ddp = original_wrap
             training.get_megatron_optimizer = original_get_optimizer
+            training.to_empty_if_meta_device = original_to_empty
 
 
 @contextlib.contextmanager

@@ -396,7 +396,7 @@ def fully_shard(
     # Units (and their policies) of earlier fully_shard calls on submodules: their parameters are
     # made whole again here, then sharded with the rest.
     inner_policies = absorb_wrapped_submodules(module, strategy, comm, FullyShardedModule)
-    from_meta = has_meta_state(module)
+    from_meta = all(p.is_meta for p in module.parameters()) and has_meta_state(module)
     pending = replace_meta_parameters(module, _group_device(comm)) if from_meta else {}
     device = _check_params(module)
     specs = assign_units(module, unit_modules, unit_instances=[m for m, _ in inner_policies])

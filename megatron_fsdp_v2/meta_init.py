@@ -25,8 +25,8 @@ can touch it:
   parameters of the largest subtree whose root has an initializer (a leaf layer, or e.g. an
   attention block), never the model.
 * A tied parameter is one object: every module holding it initializes it, in that order, and the
-  last writer wins (``Embedding`` then a tied ``Linear`` head: the head's init; eager construction
-  that creates the head first and ties ``embedding.weight = head.weight`` gives the same).
+  last writer wins (an ``Embedding`` and a later tied ``Linear`` head: the head's initialization;
+  eager construction that ties ``embedding.weight = head.weight`` after building both gives the same).
 * Buffers on meta are materialized at their module's initializer (``reset_parameters`` or
   ``init_fn`` must fill them, e.g. rotary frequencies); any left on meta raise naming them.
 """

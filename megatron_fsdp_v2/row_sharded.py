@@ -149,11 +149,12 @@ def _is_local_op(func) -> bool:
         and "min" not in name
 
 
-def _local_value(value, reference: list):
-    """(local form of one argument, ok): RowShardedTensors of one layout become their pieces,
-    0-d tensors and replicated 0-d DTensors stay scalars; anything else is not local."""
+def _local_value(value, reference: list, in_list: bool = False):
+    """(local form of one argument, ok): RowShardedTensors become their pieces (outside lists all
+    of one layout; a foreach op's lists pair tensors by position), 0-d tensors and replicated 0-d
+    DTensors stay scalars; anything else is not local."""
     if type(value) is RowShardedTensor:
-        if reference and value.row_splits != reference[0].row_splits:
+        if not in_list and reference and value.row_splits != reference[0].row_splits:
             return None, False
         reference.append(value)
         return value._local_tensor, True
@@ -166,7 +167,7 @@ def _local_value(value, reference: list):
     if isinstance(value, (list, tuple)):
         out = []
         for v in value:
-            local, ok = _local_value(v, reference)
+            local, ok = _local_value(v, reference, in_list=True)
             if not ok:
                 return None, False
             out.append(local)
@@ -185,22 +186,22 @@ def _run_locally(func, args, kwargs):
     if not ok:
         return _NOT_LOCAL
     out = func(*local_args, **local_kwargs)
-    like = reference[0]
     pieces = {id(r._local_tensor): r for r in reference}
 
-    def wrap(t):
+    def wrap(t, like):
         if not isinstance(t, torch.Tensor):
             return t
         if id(t) in pieces:                      # in-place: the argument itself
             return pieces[id(t)]
-        if t.shape == like._local_tensor.shape:
+        if type(like) is RowShardedTensor and t.shape == like._local_tensor.shape:
             return _wrap(t, _spec_with_dtype(like._spec, t.dtype), like.row_splits, False)
         raise RuntimeError(f"RowShardedTensor: {func} on local pieces gave shape {tuple(t.shape)}, expected "
-                           f"{tuple(like._local_tensor.shape)}")
+                           f"that of {like!r}")
 
     if isinstance(out, (list, tuple)):
-        return type(out)(wrap(t) for t in out)
-    return wrap(out)
+        first = args[0] if args and isinstance(args[0], (list, tuple)) and len(args[0]) == len(out) else None
+        return type(out)(wrap(t, first[i] if first is not None else reference[0]) for i, t in enumerate(out))
+    return wrap(out, reference[0])
 
 
 def _spec_with_dtype(spec, dtype):

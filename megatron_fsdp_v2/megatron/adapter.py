@@ -65,6 +65,7 @@ from megatron.core.distributed.data_parallel_base import _BaseDataParallel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from ..fully_shard import fully_shard
+from .meta_init import megatron_init_fn
 from .dist_checkpoint import (install_model_checkpointing, megatron_layout, model_sharded_state_dict,
                               model_values_from_loaded)
 from ..mixed_precision import MixedPrecisionPolicy
@@ -160,10 +161,6 @@ def _unsupported_settings(config: TransformerConfig, ddp_config: DistributedData
     check(getattr(config, "cuda_graph_impl", "none") not in (None, "none"),
           f"cuda_graph_impl={getattr(config, 'cuda_graph_impl', None)!r} (--cuda-graph-impl): CUDA graphs "
           "are not supported")
-    check(bool(getattr(config, "init_model_with_meta_device", False))
-          or any(p.is_meta for p in module.parameters()),
-          "init_model_with_meta_device / meta-device parameters (--init-model-with-meta-device): "
-          "materialise the model before wrapping it")
     check(bool(ddp_config.fp8_param_gather), "fp8_param_gather=True (--fp8-param-gather) is not supported")
     check(bool(getattr(ddp_config, "fp4_param_gather", False)),
           "fp4_param_gather=True (--fp4-param-gather) is not supported")
@@ -275,7 +272,11 @@ class FullyShardedDataParallel(DistributedDataParallel):
 
         unwrapped = module.module if isinstance(module, Float16Module) else module
         self._megatron_layout = megatron_layout(unwrapped)
+        # A model built under torch.device("meta") (--init-model-with-meta-device): Megatron's own
+        # layer initialization, one layer at a time, keeping only shards (meta_init.py).
+        meta = any(p.is_meta for p in module.parameters())
         fully_shard(module, sharding_strategy=strategy, process_group=dp_group, unit_modules=units,
+                    init_fn=megatron_init_fn(config) if meta else None,
                     mixed_precision=policy, check_for_nan_in_grad=bool(ddp_config.check_for_nan_in_grad),
                     # Megatron DDP: buffers are not broadcast, and every main_grad exists (zeros if unused);
                     # Megatron's optimizer takes plain tensors (this rank's rows), not DTensors

@@ -179,6 +179,31 @@ def test_infinity_norm_with_empty_local_pieces(world):
 
 
 # ---------------------------------------------------------------- torch.distributed.checkpoint
+class DenseBlock(nn.Module):
+    def __init__(self, width=13, hidden=37):
+        super().__init__()
+        self.up, self.down, self.norm = nn.Linear(width, hidden), nn.Linear(hidden, width, bias=False), nn.LayerNorm(width)
+
+    def forward(self, x):
+        return x + self.down(torch.tanh(self.up(self.norm(x))))
+
+
+class DenseNet(nn.Module):
+    """UnevenNet without its 0-d parameters: their state-dict values are FlatRangeShards, which
+    get_model_state_dict's full_state_dict option does not gather (README; use full_state_dict())."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj, self.blocks, self.head = nn.Linear(7, 13), nn.ModuleList(DenseBlock() for _ in range(3)), \
+            nn.Linear(13, 5, bias=False)
+
+    def forward(self, x):
+        h = self.proj(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
 def _snapshot_full(model, opt):
     full = StateDictOptions(full_state_dict=True)
     return get_model_state_dict(model, options=full), get_optimizer_state_dict(model, opt, options=full)
@@ -197,7 +222,7 @@ def dcp_save_worker(rank, world, root, strategies):
     out = {}
     for strategy in strategies:
         torch.manual_seed(0)
-        model = fully_shard(UnevenNet(), sharding_strategy=strategy, unit_modules=[Block])
+        model = fully_shard(DenseNet(), sharding_strategy=strategy, unit_modules=[DenseBlock])
         opt = torch.optim.AdamW(_by_ndim(model.parameters()), lr=1e-2)
         _train(model, opt, rank, world, 2, 2.0)
         msd, osd = get_model_state_dict(model), get_optimizer_state_dict(model, opt)
@@ -212,7 +237,7 @@ def dcp_load_worker(rank, world, root, pairs):
     out = {}
     for saved, strategy in pairs:
         torch.manual_seed(1)                     # other initial weights: everything must come from the file
-        model = fully_shard(UnevenNet(), sharding_strategy=strategy, unit_modules=[Block])
+        model = fully_shard(DenseNet(), sharding_strategy=strategy, unit_modules=[DenseBlock])
         opt = torch.optim.AdamW(_by_ndim(model.parameters()), lr=1e-2)
         msd, osd = get_model_state_dict(model), get_optimizer_state_dict(model, opt)
         dcp.load({"model": msd, "optim": osd}, checkpoint_id=f"{root}/{saved}")
@@ -226,12 +251,12 @@ def dcp_load_worker(rank, world, root, pairs):
 def full_set_worker(rank, world, strategy):
     """set_model_state_dict / set_optimizer_state_dict from full (plain) state dicts."""
     torch.manual_seed(0)
-    model = fully_shard(UnevenNet(), sharding_strategy=strategy, unit_modules=[Block])
+    model = fully_shard(DenseNet(), sharding_strategy=strategy, unit_modules=[DenseBlock])
     opt = torch.optim.AdamW(_by_ndim(model.parameters()), lr=1e-2)
     _train(model, opt, rank, world, 2, 2.0)
     full_model, full_optim = _snapshot_full(model, opt)
     torch.manual_seed(1)
-    other = fully_shard(UnevenNet(), sharding_strategy=strategy, unit_modules=[Block])
+    other = fully_shard(DenseNet(), sharding_strategy=strategy, unit_modules=[DenseBlock])
     other_opt = torch.optim.AdamW(_by_ndim(other.parameters()), lr=1e-2)
     full = StateDictOptions(full_state_dict=True)
     set_model_state_dict(other, full_model, options=full)
@@ -339,7 +364,7 @@ def test_checkpoints_interchange_with_torch_fsdp2(tmp_path, direction):
         never_moved = run_distributed(interop_save_worker, 2, str(tmp_path), "fsdp2", None)[0]
         resumed = run_distributed(interop_load_worker, 3, str(tmp_path), "ours", "optim_grads_params", "fsdp2")
     else:
-        never_moved = run_distributed(interop_save_worker, 3, str(tmp_path), "ours", "optim_grads", None)[0]
+        never_moved = run_distributed(interop_save_worker, 3, str(tmp_path), "ours", "optim_grads")[0]
         resumed = run_distributed(interop_load_worker, 2, str(tmp_path), "fsdp2", None, "ours")
     for rank, weights in enumerate(resumed):
         assert sorted(weights) == sorted(never_moved)
@@ -348,7 +373,7 @@ def test_checkpoints_interchange_with_torch_fsdp2(tmp_path, direction):
 
 
 # ---------------------------------------------------------------- checkpoints of the earlier layout
-OLD = pathlib.Path(__file__).parent.parent / "data" / "layout_v1_zero3_dp2"
+OLD = pathlib.Path(__file__).parent.parent / "data" / "layout_v1_zero3_dp4"
 
 
 def old_checkpoint_worker(rank, world, directory, strategy):
@@ -363,8 +388,8 @@ def old_checkpoint_worker(rank, world, directory, strategy):
 
 
 def test_checkpoints_of_the_earlier_layout_still_load(tmp_path):
-    """A save_checkpoint directory written by the layout before rows were snapped (ZeRO-3 at dp 2:
-    ranges that start mid-row) loads bitwise at dp 3 into ZeRO-3 and at dp 2 into ZeRO-1."""
+    """A save_checkpoint directory written by the layout before rows were snapped (ZeRO-3 at dp 4,
+    commit 4e22ec1: ranges that start mid-row) loads bitwise at dp 3 into ZeRO-3 and at dp 2 into ZeRO-1."""
     from torch.distributed.checkpoint import FileSystemReader
 
     metadata = FileSystemReader(str(OLD / "checkpoint")).read_metadata()

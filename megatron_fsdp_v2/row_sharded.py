@@ -289,7 +289,62 @@ def row_sharded(local: torch.Tensor, mesh: DeviceMesh, shape: Sequence[int], row
     shape = torch.Size(shape)
     stride = torch.empty(shape, device="meta").stride()
     spec = DTensor.from_local(local.detach(), mesh, [Shard(0)], run_check=False, shape=shape, stride=stride)._spec
-    return _wrap(local, spec, tuple(row_splits), requires_grad)
+    tensor = _wrap(local, spec, tuple(row_splits), requires_grad)
+    _check_dispatch_reaches_subclass(tensor)
+    return tensor
+
+
+# -- torch builds whose DTensor C++ fast path skips subclasses ------------------------------
+# [Note: dispatch bypass] Some torch builds (the DTensor C++ dispatch of pytorch/pytorch#167051,
+# before pytorch/pytorch#177878) route every DTensor *subclass* through the base DTensor
+# dispatcher, so RowShardedTensor.__torch_dispatch__ never runs: out-of-place results (detach,
+# zeros_like, optimizer state) come back as plain DTensors, which DCP and full_tensor() would cut
+# by torch.chunk, and an inf-norm of an empty piece raises. On such builds the same two repairs
+# run one level up, in __torch_function__: outputs shaped like an input become RowShardedTensors
+# with its splits, and empty pieces are filled for +-inf norms. The first row_sharded() call
+# probes which kind of build this is (a local alias: no collective).
+_REPAIR_INSTALLED = False
+_MAX_NORM_FUNCTIONS = {"_foreach_norm", "linalg_vector_norm", "vector_norm"}
+
+
+def _check_dispatch_reaches_subclass(tensor: RowShardedTensor) -> None:
+    global _REPAIR_INSTALLED
+    if _REPAIR_INSTALLED:
+        return
+    with torch._C.DisableTorchFunctionSubclass():
+        probe = _aten.alias.default(tensor)
+    if type(probe) is not RowShardedTensor:
+        RowShardedTensor.__torch_function__ = classmethod(_repair_torch_function)
+        _REPAIR_INSTALLED = True
+
+
+def _repair_torch_function(cls, func, types, args=(), kwargs=None):
+    kwargs = kwargs or {}
+    if getattr(func, "__name__", None) in _MAX_NORM_FUNCTIONS:
+        args = _fill_empty_pieces_for_max_norm(func, args, kwargs)
+    inputs: list = []
+    _collect_ours(args, inputs)
+    _collect_ours(kwargs, inputs)
+    with torch._C.DisableTorchFunctionSubclass():
+        out = func(*args, **kwargs)
+    if isinstance(out, DTensor):
+        return _keep_ours(out, inputs)
+    if isinstance(out, (list, tuple)) and any(isinstance(o, DTensor) for o in out):
+        if args and isinstance(args[0], (list, tuple)) and len(out) == len(args[0]):
+            return type(out)(_keep_ours(o, [a]) for o, a in zip(out, args[0]))
+        return type(out)(_keep_ours(o, inputs) for o in out)
+    return out
+
+
+def _collect_ours(value, inputs: list) -> None:
+    if type(value) is RowShardedTensor:
+        inputs.append(value)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _collect_ours(v, inputs)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _collect_ours(v, inputs)
 
 
 def _register_foreach_support() -> None:

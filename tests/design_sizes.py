@@ -8,14 +8,12 @@ from __future__ import annotations
 from typing import Dict, List
 
 
-def _round_up(value: int, multiple: int) -> int:
-    return (value + multiple - 1) // multiple * multiple
-
-
 def expected_group_numels(info: dict, dp: int, alignment: int) -> List[int]:
     """Padded element count P of each unit's (single) group, root first then the layers in module
-    order: parameters in ``named_parameters`` order, each starting at a multiple of ``alignment``,
-    the buffer padded to a multiple of ``dp`` (docs/design.md, "Flat layout and padding")."""
+    order: parameters in ``named_parameters`` order, laid out by the design's rule (docs/design.md,
+    "Flat layout and padding: row-snapped shards"; ``layout.build_layout`` is that rule)."""
+    from megatron_fsdp_v2.layout import build_layout
+
     units = [""] + list(info["unit_fqns"])
     owned: Dict[str, List[str]] = {u: [] for u in units}
     seen = set()
@@ -25,13 +23,8 @@ def expected_group_numels(info: dict, dp: int, alignment: int) -> List[int]:
         seen.add(name)
         owner = max((u for u in units if u == "" or name.startswith(u + ".")), key=len)
         owned[owner].append(name)
-    out = []
-    for unit in units:
-        cursor = 0
-        for name in owned[unit]:
-            cursor = _round_up(cursor, alignment) + info["numels"][name]
-        out.append(_round_up(cursor, dp))
-    return out
+    return [build_layout([info["shapes"][name] for name in owned[unit]], dp, alignment).total_numel
+            for unit in units]
 
 
 def design_persistent_bytes(strategy: str, padded: List[int], dp: int, c: int, m: int, g: int,

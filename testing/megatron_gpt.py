@@ -26,10 +26,25 @@ def tiny_cpu_config(layers: int, hidden: int, heads: int, **overrides):
     return TransformerConfig(**kwargs)
 
 
-def local_gpt(config, vocab: int, seq: int, seed: Optional[int] = None, share_embeddings: bool = True):
-    """Megatron's ``GPTModel`` with the local (non-Transformer-Engine) layer spec and learned
-    absolute positions. With ``seed`` it is built under ``torch.manual_seed(seed)`` and the
-    caller's CPU RNG state is restored afterwards."""
+def mlp_only_layer_spec():
+    """The local layer spec without attention (each layer: identity, then its MLP with the
+    residual): a GPT whose layers need no context-parallel attention, which Megatron offers only
+    through Transformer Engine."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
+
+    spec = get_gpt_layer_local_spec()
+    spec.submodules.input_layernorm = IdentityOp
+    spec.submodules.self_attention = IdentityOp
+    spec.submodules.self_attn_bda = IdentityFuncOp
+    return spec
+
+
+def local_gpt(config, vocab: int, seq: int, seed: Optional[int] = None, share_embeddings: bool = True,
+              layer_spec=None):
+    """Megatron's ``GPTModel`` with the local (non-Transformer-Engine) layer spec (or
+    ``layer_spec``) and learned absolute positions. With ``seed`` it is built under
+    ``torch.manual_seed(seed)`` and the caller's CPU RNG state is restored afterwards."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
 
@@ -37,7 +52,7 @@ def local_gpt(config, vocab: int, seq: int, seed: Optional[int] = None, share_em
     if seed is not None:
         torch.manual_seed(seed)
     try:
-        return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=vocab,
+        return GPTModel(config=config, transformer_layer_spec=layer_spec or get_gpt_layer_local_spec(), vocab_size=vocab,
                         max_sequence_length=seq, pre_process=True, post_process=True, parallel_output=True,
                         share_embeddings_and_output_weights=share_embeddings,
                         position_embedding_type="learned_absolute")

@@ -29,6 +29,7 @@ gradient is the gradient of ``mean_over_dp_ranks(mean_over_microbatches(mean_ove
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Dict, List, NamedTuple, Optional
 
 import torch
@@ -40,6 +41,7 @@ __all__ = [
     "destroy_megatron_parallel_state",
     "cpu_model_parallel_manual_seed",
     "build_tiny_gpt",
+    "sequence_parallel_torch_norms",
     "synthetic_batches",
     "forward_step_func",
     "loss_func",
@@ -80,6 +82,7 @@ def build_tiny_gpt(
     layers: int = 2,
     heads: int = 4,
     seq: int = 16,
+    layer_spec=None,
     **config_overrides,
 ):
     """Build a tiny fp32 ``GPTModel`` with the local (non-TE) layer spec on CPU.
@@ -89,7 +92,35 @@ def build_tiny_gpt(
     ``(model, config)``.
     """
     config = tiny_cpu_config(layers, hidden, heads, **config_overrides)
-    return local_gpt(config, vocab, seq, seed=seed), config
+    return local_gpt(config, vocab, seq, seed=seed, layer_spec=layer_spec), config
+
+
+@contextlib.contextmanager
+def sequence_parallel_torch_norms():
+    """Megatron's local spec builds torch norms, which refuse ``sequence_parallel=True``; its
+    fused norms (Transformer Engine, apex) accept it and mark their parameters
+    ``sequence_parallel`` so that ``finalize_model_grads`` all-reduces their gradients over the
+    tensor-parallel group. Inside this context the torch norms do the same (a test-only patch of
+    ``WrappedTorchNorm``)."""
+    from megatron.core.transformer import torch_norm
+
+    original = torch_norm.WrappedTorchNorm.__dict__["__new__"]
+
+    def build(cls, config, hidden_size, eps=1e-5, **kwargs):
+        sequence_parallel, config.sequence_parallel = config.sequence_parallel, False
+        try:
+            norm = original(cls, config, hidden_size, eps, **kwargs)
+        finally:
+            config.sequence_parallel = sequence_parallel
+        for param in norm.parameters():
+            param.sequence_parallel = sequence_parallel
+        return norm
+
+    torch_norm.WrappedTorchNorm.__new__ = build
+    try:
+        yield
+    finally:
+        torch_norm.WrappedTorchNorm.__new__ = original
 
 
 def synthetic_batches(

@@ -105,7 +105,7 @@ def _group_size(group) -> int:
 
 def _parallel_sizes(pg_collection) -> dict:
     """Sizes of the model-parallel groups this wrapper cannot combine with (1 when absent)."""
-    names = {"tp": "tensor", "pp": "pipeline", "cp": "context", "ep": "expert", "expt_tp": "expert tensor"}
+    names = {"pp": "pipeline", "ep": "expert", "expt_tp": "expert tensor"}
     sizes = {}
     if pg_collection is not None:
         for attr in names:
@@ -114,9 +114,7 @@ def _parallel_sizes(pg_collection) -> dict:
     from megatron.core import parallel_state as ps
 
     getters = {
-        "tp": ps.get_tensor_model_parallel_world_size,
         "pp": ps.get_pipeline_model_parallel_world_size,
-        "cp": ps.get_context_parallel_world_size,
         "ep": ps.get_expert_model_parallel_world_size,
         "expt_tp": ps.get_expert_tensor_parallel_world_size,
     }
@@ -137,17 +135,18 @@ def _unsupported_settings(config: TransformerConfig, ddp_config: DistributedData
         if bad:
             problems.append(text)
 
+    # Expert sizes matter only with experts (Megatron defaults the expert tensor-parallel size to
+    # the tensor-parallel size, experts or not).
+    experts = bool(getattr(config, "num_moe_experts", None))
     for attr, flag, group in (
-        ("tensor_model_parallel_size", "--tensor-model-parallel-size", "tp"),
         ("pipeline_model_parallel_size", "--pipeline-model-parallel-size", "pp"),
-        ("context_parallel_size", "--context-parallel-size", "cp"),
-        ("expert_model_parallel_size", "--expert-model-parallel-size", "ep"),
-        ("expert_tensor_parallel_size", "--expert-tensor-parallel-size", "expt_tp"),
+        *((("expert_model_parallel_size", "--expert-model-parallel-size", "ep"),
+           ("expert_tensor_parallel_size", "--expert-tensor-parallel-size", "expt_tp")) if experts else ()),
     ):
         value = getattr(config, attr, 1) or 1
         size = max(int(value), sizes.get(group, 1))
-        check(size > 1, f"{attr}={size} ({flag}): only data parallelism is supported; "
-                        f"tensor/pipeline/context/expert parallel sizes must be 1")
+        check(size > 1, f"{attr}={size} ({flag}): data parallelism composes with tensor (and sequence) and "
+                        f"context parallelism; pipeline and expert parallel sizes must be 1")
     check(getattr(config, "virtual_pipeline_model_parallel_size", None) not in (None, 1),
           f"virtual_pipeline_model_parallel_size={config.virtual_pipeline_model_parallel_size} "
           "(--num-layers-per-virtual-pipeline-stage): pipeline parallelism is not supported")
@@ -290,6 +289,8 @@ class FullyShardedDataParallel(DistributedDataParallel):
         self.dp_group = dp_group
         self.dp_cp_group = dp_group
         self.intra_dp_cp_group = dp_group
+        self.tp_group = self._tensor_parallel_group(pg_collection)
+        self._check_tensor_parallel_peers_share_the_layout()
         self.pg_collection = pg_collection
         # Megatron DDP bookkeeping that training.py / the optimizer may iterate: always empty here.
         self.bucket_size = None
@@ -322,17 +323,31 @@ class FullyShardedDataParallel(DistributedDataParallel):
     # ------------------------------------------------------------------ construction helpers
     @staticmethod
     def _data_parallel_group(pg_collection):
+        """The group gradients are reduced and states sharded over: Megatron DDP's (data parallel
+        with context parallel, ``intra_dp_cp_group`` with one optimizer instance): context-parallel
+        ranks hold different tokens of the same samples, so their gradients add up like data
+        parallel ones (Megatron DDP scales them by 1 / (dp * cp), as the core's mean over this
+        group does). Tensor-parallel peers hold different slices and are never reduced together."""
         if pg_collection is not None:
-            group = getattr(pg_collection, "dp", None)
+            group = getattr(pg_collection, "dp_cp", None) or getattr(pg_collection, "dp", None)
             if group is None:
-                raise ValueError("pg_collection: the data-parallel group pg_collection.dp is required.")
+                raise ValueError("pg_collection: the data-parallel group (pg_collection.dp_cp, or pg_collection.dp "
+                                 "without context parallelism) is required.")
             return group
         from megatron.core import parallel_state as ps
 
         if not ps.model_parallel_is_initialized():
             raise RuntimeError("FullyShardedDataParallel: pass pg_collection or initialise Megatron's "
                                "parallel_state (initialize_model_parallel) first.")
-        return ps.get_data_parallel_group()
+        return ps.get_data_parallel_group(with_context_parallel=True)
+
+    @staticmethod
+    def _tensor_parallel_group(pg_collection):
+        if pg_collection is not None:
+            return getattr(pg_collection, "tp", None)
+        from megatron.core import parallel_state as ps
+
+        return ps.get_tensor_model_parallel_group()
 
     @staticmethod
     def _unit_classes(module, fsdp_unit_modules, disable_bucketing, weights_sharded):
@@ -342,6 +357,26 @@ class FullyShardedDataParallel(DistributedDataParallel):
             return None
         present = [cls for cls in _default_unit_classes() if any(isinstance(m, cls) for m in module.modules())]
         return present or None
+
+    def _check_tensor_parallel_peers_share_the_layout(self) -> None:
+        """Megatron's ``finalize_model_grads`` all-reduces the gradients of sequence-parallel
+        layer norms (and q/k layer norms) over the tensor-parallel group *elementwise on what this
+        wrapper holds*: this rank's rows of each. That is right only when tensor-parallel peers cut
+        every parameter at the same rows, i.e. hold parameters of the same shapes in the same order
+        (the layout is a function of the shapes). Megatron's tensor-parallel layers split evenly,
+        so this holds; a model that splits unevenly is refused here rather than averaged wrongly."""
+        group = self.tp_group
+        if group is None or dist.get_world_size(group) == 1:
+            return
+        mine = [(entry.name, tuple(entry.shape)) for entry in self.module.sharded_parameters()]
+        everyone = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, mine, group=group)
+        differing = [(i, [a for a, b in zip(theirs, mine) if a != b][:3]) for i, theirs in enumerate(everyone)
+                     if theirs != mine]
+        if differing:
+            raise ValueError(f"module: tensor-parallel peers hold parameters of different shapes (first differences "
+                             f"by peer: {differing}); FullyShardedDataParallel needs every tensor-parallel rank to "
+                             "hold the same parameter shapes in the same order.")
 
     def _annotate_main_params(self) -> None:
         """Give each main parameter the original parameter's Megatron attributes and shape."""
@@ -380,6 +415,19 @@ class FullyShardedDataParallel(DistributedDataParallel):
         params' ``.grad``. ``force_all_reduce`` (Megatron: keep full grads for dumping them) is
         ignored: the sharded strategies only ever hold their shard of the gradients."""
         self.module.wait_gradient_reduction()
+        self._expose_grads_to_finalize_model_grads()
+
+    def _expose_grads_to_finalize_model_grads(self) -> None:
+        """After this returns, Megatron's ``finalize_model_grads`` all-reduces the gradients of
+        sequence-parallel and q/k layer norms over the tensor-parallel group, reading them from
+        ``named_parameters()`` as ``param.grad._local_tensor`` (megatron-core 0.19.2 takes that
+        branch whenever ``ddp_config.use_megatron_fsdp``, expecting Megatron-FSDP's DTensors).
+        Ours are plain tensors (this rank's rows), which are their own local tensor: each carries
+        itself under that name, so the all-reduce writes into the gradient in place."""
+        for param in self.parameters():
+            grad = param.grad
+            if grad is not None and getattr(grad, "_local_tensor", None) is not grad:
+                grad._local_tensor = grad
 
     def scale_gradients(self, scaling_factor: float) -> None:
         """Multiply the reduced gradients (Megatron calls it after ``finish_grad_sync``; with
@@ -470,7 +518,20 @@ class FullyShardedDataParallel(DistributedDataParallel):
         (dist_checkpoint.py, [Note: our shards as Megatron ShardedTensors]). The unwrapped module
         Megatron-LM's ``save_checkpoint`` asks gives the same. ``metadata`` is accepted and unused."""
         return model_sharded_state_dict(self._checkpoint_values(), dist.get_rank(self.dp_group), prefix,
-                                        sharded_offsets, self._megatron_layout)
+                                        sharded_offsets, self._megatron_layout, self.tensor_parallel_rank())
+
+    def tensor_parallel_rank(self) -> int:
+        return dist.get_rank(self.tp_group) if self.tp_group is not None else 0
+
+    def tensor_parallel_slices(self) -> dict:
+        """{core parameter name: (Megatron placement, this rank's shape of it)}: where each
+        parameter's tensor-parallel slice sits in the whole (optimizer checkpoints use it)."""
+        placements, cut, out = self._megatron_layout.placements, len(self._ckpt_prefix), {}
+        for entry in self.module.sharded_parameters():
+            short = entry.name[cut:] if entry.name.startswith(self._ckpt_prefix) else entry.name
+            if short in placements:
+                out[entry.name] = (placements[short], tuple(entry.shape))
+        return out
 
     def load_state_dict(self, state_dict, strict: bool = True):
         """Load full tensors (keys as ``state_dict()`` gives them) or what ``dist_checkpointing.load``

@@ -82,37 +82,58 @@ def _describe(value) -> str:
 
 
 class Placement(NamedTuple):
-    """Where Megatron's own ``sharded_state_dict`` puts a parameter: its checkpoint key and the
+    """Where Megatron's own ``sharded_state_dict`` puts a parameter: its checkpoint key, the
     leading axes it prepends (transformer layers are stacked under one key, the layer number is the
-    offset on a prepended axis). ``Placement(name)`` for a tensor without one."""
+    offset on a prepended axis), and for a tensor-parallel slice where this rank's slice sits in
+    the whole tensor (``tensor_offsets`` into ``tensor_shape``). ``replica_id`` is Megatron's
+    (``(0, tp_rank, dp_rank)`` for a tensor-parallel replica such as a layer norm); its last
+    element, the data-parallel one, is ours to set. ``Placement(name)``: a tensor without one."""
 
     key: str
     prepend_offsets: tuple = ()
     prepend_shape: tuple = ()
+    tensor_offsets: tuple = ()
+    tensor_shape: tuple = ()
+    replica_id: object = 0
 
 
-def to_sharded(key: str, value: torch.Tensor, dp_rank: int, placement: Optional[Placement] = None):
+def _with_data_parallel_replica(replica_id, dp_replica: int):
+    """Megatron's replica id with its data-parallel element (the last) set to ``dp_replica``."""
+    if isinstance(replica_id, tuple) and replica_id:
+        return replica_id[:-1] + (dp_replica,)
+    return dp_replica
+
+
+def to_sharded(key: str, value: torch.Tensor, dp_rank: int, placement: Optional[Placement] = None,
+               tp_rank: int = 0):
     """One value of a core DCP state dict -> what Megatron's ``dist_checkpointing`` saves for it,
-    at ``placement`` (default: ``key``, no prepended axes)."""
-    key, lead_offsets, lead_shape = placement or Placement(key)
+    at ``placement`` (default: ``key``, no prepended axes, the whole tensor, replicated over the
+    tensor-parallel group: tensor-parallel rank ``tp_rank`` is a replica)."""
+    key, lead_offsets, lead_shape, slice_offsets, slice_shape, replica_id = \
+        placement or Placement(key, replica_id=(0, tp_rank, 0))
     lead = (1,) * len(lead_shape)   # the prepended axes are part of each piece's shape (size 1 there)
+    local_shape = tuple(value.shape) or (1,)          # a 0-d tensor travels as shape (1,)
+    whole_shape = tuple(slice_shape) or local_shape
+    slice_offsets = tuple(slice_offsets) or (0,) * len(local_shape)
     if isinstance(value, FlatRangeShard):
-        shape = tuple(value.shape) or (1,)     # a 0-d tensor travels as shape (1,)
         boxes = {}
         for i, (offsets, sizes, piece) in enumerate(value.pieces()):
             if not value.shape:
                 offsets, sizes = (0,), (1,)
             piece = piece.reshape(lead + tuple(sizes))
+            offsets = tuple(a + b for a, b in zip(offsets, slice_offsets))
             boxes[f"box{i}"] = ShardedTensor(key=key, data=piece, dtype=piece.dtype, local_shape=tuple(piece.shape),
-                                             global_shape=lead_shape + shape, global_offset=lead_offsets + tuple(offsets),
-                                             axis_fragmentations=None, replica_id=0)
+                                             global_shape=lead_shape + whole_shape, global_offset=lead_offsets + offsets,
+                                             axis_fragmentations=None,
+                                             replica_id=_with_data_parallel_replica(replica_id, 0))
         return boxes
     if isinstance(value, torch.Tensor):
-        data = value.detach().reshape(lead + (tuple(value.shape) or (1,)))
+        data = value.detach().reshape(lead + local_shape)
+        fragments = tuple(whole // part for whole, part in zip(whole_shape, local_shape))
         return ShardedTensor(key=key, data=data, dtype=data.dtype, local_shape=tuple(data.shape),
-                             global_shape=lead_shape + tuple(data.shape[len(lead):]),
-                             global_offset=lead_offsets + (0,) * (data.dim() - len(lead)),
-                             axis_fragmentations=lead_shape + (1,) * (data.dim() - len(lead)), replica_id=dp_rank)
+                             global_shape=lead_shape + whole_shape, global_offset=lead_offsets + slice_offsets,
+                             axis_fragmentations=lead_shape + fragments,
+                             replica_id=_with_data_parallel_replica(replica_id, dp_rank))
     raise TypeError(f"{key}: only tensors can be checkpointed, got {type(value).__name__}.")
 
 
@@ -125,8 +146,8 @@ class MegatronLayout(NamedTuple):
 
 def megatron_layout(module: torch.nn.Module) -> MegatronLayout:
     """Read ``module``'s own Megatron ``sharded_state_dict()`` while its parameters are still whole
-    (before sharding): the Placement of every parameter it saves as one unsplit ShardedTensor
-    (tensor parallel size 1; tied names it leaves out get none), and its ``_extra_state`` objects
+    (before sharding): the Placement of every parameter it saves as one ShardedTensor (its key,
+    stacked-layer axes and tensor-parallel slice; tied names it leaves out get none), and its ``_extra_state`` objects
     (static without FP8, which the wrapper rejects), so that our checkpoints carry Megatron's keys
     and load into Megatron's DDP and back. A module without Megatron's ``sharded_state_dict``
     gives an empty layout (plain parameter names)."""
@@ -151,9 +172,13 @@ def megatron_layout(module: torch.nn.Module) -> MegatronLayout:
             continue
         name = names.get((entry.data.data_ptr(), tuple(entry.data.shape)))
         lead = entry.prepend_axis_num
-        if name is None or tuple(entry.global_shape[lead:]) != tuple(entry.data.shape):
+        if name is None or getattr(entry, "flattened_range", None) is not None:
             continue
-        placements[name] = Placement(entry.key, tuple(entry.global_offset[:lead]), tuple(entry.global_shape[:lead]))
+        whole, offsets = tuple(entry.global_shape[lead:]), tuple(entry.global_offset[lead:])
+        if len(whole) != entry.data.dim() or any(o + n > w for o, n, w in zip(offsets, entry.data.shape, whole)):
+            continue
+        placements[name] = Placement(entry.key, tuple(entry.global_offset[:lead]), tuple(entry.global_shape[:lead]),
+                                     offsets, whole, entry.replica_id)
     return MegatronLayout(placements, extras)
 
 
@@ -228,7 +253,8 @@ def install_model_checkpointing(module: torch.nn.Module, wrapper) -> None:
 
 
 def model_sharded_state_dict(values: "OrderedDict[str, torch.Tensor]", dp_rank: int, prefix: str = "",
-                             sharded_offsets: tuple = (), layout: Optional[MegatronLayout] = None) -> dict:
+                             sharded_offsets: tuple = (), layout: Optional[MegatronLayout] = None,
+                             tp_rank: int = 0) -> dict:
     """``sharded_state_dict`` of a model whose core DCP values are ``values`` (keys as
     ``state_dict()`` gives them), at Megatron's own placements where ``layout`` has them, with its
     ``_extra_state`` objects; tied aliases Megatron leaves out are left out too."""
@@ -244,7 +270,7 @@ def model_sharded_state_dict(values: "OrderedDict[str, torch.Tensor]", dp_rank: 
         if placement is not None:
             placed.add(id(value))
             placement = placement._replace(key=prefix + placement.key)
-        out[prefix + key] = to_sharded(prefix + key, value, dp_rank, placement)
+        out[prefix + key] = to_sharded(prefix + key, value, dp_rank, placement, tp_rank)
     out.update((prefix + key, dataclasses.replace(obj, key=prefix + obj.key)) for key, obj in extras.items())
     return _drop_empty(out)
 
@@ -291,13 +317,26 @@ class ShardedOptimizerCheckpoint:
         values = optimizer_state_dict(self._fsdp_v2_model, self.optimizer)
         if is_loading:      # dist_checkpointing.load fills these tensors in place: load_state_dict installs them
             self._fsdp_v2_loading_template = values
-        state = _drop_empty({k: to_sharded(f"optimizer.{k}", v, self._fsdp_v2_dp_rank)
+        state = _drop_empty({k: to_sharded(f"optimizer.{k}", v, self._fsdp_v2_dp_rank, self._state_placement(k, v),
+                                           self._fsdp_v2_tp_rank)
                              for k, v in values.items() if k.startswith("state.")})
         groups = {k: v for k, v in values.items() if k.startswith("param_groups.")}
         out = {FORMAT_KEY: FORMAT_VERSION, "state": state, "param_groups": groups, CLASS_KEY: values[CLASS_KEY]}
         if getattr(self, "grad_scaler", None) is not None:
             out["grad_scaler"] = self.grad_scaler.state_dict()
         return out
+
+    def _state_placement(self, key: str, value) -> Optional[Placement]:
+        """Per-element state of a tensor-parallel slice sits where the slice sits in the whole
+        parameter (its model placement's tensor offsets and replica id), under our own key;
+        anything else (``step``) is a replica on every tensor- and data-parallel rank."""
+        name = key[len("state."):].rsplit(".", 1)[0]
+        found = self._fsdp_v2_slices.get(name)
+        if found is None or tuple(value.shape) != found[1]:
+            return None
+        placement = found[0]
+        return Placement(f"optimizer.{key}", (), (), placement.tensor_offsets, placement.tensor_shape,
+                         placement.replica_id)
 
     def load_state_dict(self, state_dict):
         """Load what ``dist_checkpointing.load`` returned for ``sharded_state_dict()``."""
@@ -347,6 +386,8 @@ def install_optimizer_checkpointing(optimizer, chunks) -> None:
         _with_mixin(leaf, ShardedOptimizerCheckpoint)
         leaf._fsdp_v2_model = chunk.module
         leaf._fsdp_v2_dp_rank = torch.distributed.get_rank(chunk.dp_group)
+        leaf._fsdp_v2_tp_rank = chunk.tensor_parallel_rank()
+        leaf._fsdp_v2_slices = chunk.tensor_parallel_slices()
 
 
 # ---------------------------------------------------------------- one call each

@@ -87,6 +87,16 @@ def with_original_shapes(config_overrides: Dict[ParamKey, dict]) -> Dict[ParamKe
     return out
 
 
+def _distributed_optimizer_instance_group(pg_collection):
+    """All ranks of one distributed-optimizer instance (tensor x pipeline x context x data
+    parallel; the whole world with one instance, the only count the wrapper accepts)."""
+    if pg_collection is not None and getattr(pg_collection, "intra_dist_opt", None) is not None:
+        return pg_collection.intra_dist_opt
+    from megatron.core import parallel_state as ps
+
+    return ps.get_intra_distributed_optimizer_instance_group()
+
+
 def _leaf_optimizers(optimizer) -> List:
     return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
 
@@ -149,9 +159,11 @@ def get_optimizer(
                                        pg_collection=pg_collection,
                                        dump_param_to_param_group_map=dump_param_to_param_group_map)
     if chunks[0].strategy.optim_sharded:
-        # Disjoint shards: the squared norms add up over the data-parallel group (model-parallel
-        # groups are trivial here, the wrapper rejects TP/PP/CP/EP > 1).
+        # Disjoint shards: the squared norms add up over the data-parallel (with context-parallel)
+        # group and the model-parallel group, i.e. over Megatron's distributed-optimizer instance
+        # (what it picks for Adam; the SGD path's FP32Optimizer would sum over model-parallel only).
+        group = _distributed_optimizer_instance_group(pg_collection)
         for leaf in _leaf_optimizers(optimizer):
-            leaf.grad_stats_parallel_group = chunks[0].dp_group
+            leaf.grad_stats_parallel_group = group
     install_optimizer_checkpointing(optimizer, chunks)
     return optimizer

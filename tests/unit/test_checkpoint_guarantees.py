@@ -113,7 +113,12 @@ def _integrity_cases(rank, world, root):
     fresh, fresh_opt = build(seed=1)
     sd = {f"model.{k}": v for k, v in fresh.state_dict().items()}      # torch's own reader: loads silently
     dcp.load(sd, storage_reader=FileSystemReader(f"{root}/flip"))
-    out["torch_reader_flip_value"] = sd[f"model.{flipped}"].local_flat[0].item() if flipped else None
+    if flipped:
+        value = sd[f"model.{flipped}"]
+        local = value.local_flat if isinstance(value, FlatRangeShard) else local_piece(value).reshape(-1)
+        out["torch_reader_flip_value"] = local[0].item()
+    else:
+        out["torch_reader_flip_value"] = None
     out["torch_reader_cut_shard"] = failure(lambda: dcp.load(sd, storage_reader=FileSystemReader(f"{root}/cut_shard")))
     for variant in ("flip", "cut_shard", "cut_meta", "no_manifest"):
         out[variant] = failure(lambda: load_checkpoint(f"{root}/{variant}", fresh, fresh_opt))

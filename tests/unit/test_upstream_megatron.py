@@ -340,7 +340,7 @@ def case_tied_child_parameters_allocate_one_physical_weight(ctx, strategy):
     model = ctx.shard(TiedLM(), strategy)
     params = list(model.parameters())
     ctx.checks.true(len(params) == 1, f"{len(params)} optimizer-facing parameters for one tied weight")
-    numel = torch.tensor([sum(p.numel() for p in params)])
+    numel = torch.tensor([sum(local_piece(p).numel() for p in params)])     # this rank's elements
     dist.all_reduce(numel, group=ctx.group)
     want = 8 * 4 * (ctx.world if strategy == "no_shard" else 1)
     ctx.checks.true(int(numel) == want, f"main elements over all ranks {int(numel)}, expected {want}")

@@ -70,7 +70,7 @@ def _optimizer_config():
                            fp16=False, params_dtype=torch.float32, use_distributed_optimizer=False)
 
 
-def _train_ours(strategy, tp, cp, sequence_parallel, batches, seq):
+def _train_ours(strategy, tp, cp, sequence_parallel, batches, seq, iters=ITERS):
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
@@ -86,7 +86,7 @@ def _train_ours(strategy, tp, cp, sequence_parallel, batches, seq):
     constant_param_scheduler(optimizer, LR, WD)
     config.finalize_model_grads_func = finalize_model_grads
     losses, norms = [], []
-    for it in range(ITERS):
+    for it in range(iters):
         store, ok, norm = megatron_train_step(wrapped, optimizer, batches[it * NMB:(it + 1) * NMB], seq, MBS)
         assert ok
         losses.append(_reduce_lm_loss(store, ps.get_data_parallel_group())[0])     # as train_reference reports
@@ -141,3 +141,67 @@ def test_tensor_parallel_matches_megatron_ddp(sequence_parallel):
 def test_context_parallel_matches_megatron_ddp():
     results = run_distributed(parity_worker, 4, 1, 2, False, STRATEGIES, timeout=900)
     _assert_parity(results, "CP2xDP2")
+
+
+# ---------------------------------------------------------------- checkpoints across tensor-parallel sizes
+def _partition_dims(wrapped) -> dict:
+    """{state_dict name: the axis Megatron splits it on, or None for a tensor-parallel replica}."""
+    return {name[len("module."):]: (p.partition_dim if getattr(p, "tensor_model_parallel", False) else None)
+            for name, p in wrapped.named_parameters()}
+
+
+def checkpoint_worker(rank, world, root, tp, strategy, save):
+    from megatron.core import parallel_state as ps
+
+    from megatron_fsdp_v2.megatron import load_dist_checkpoint, save_dist_checkpoint
+    from tests.megatron_cpu import init_megatron_parallel_state, patch_megatron_for_cpu
+    from tests.state_gather import full_optimizer_state
+
+    with patch_megatron_for_cpu("megatron.core.tensor_parallel.mappings", "megatron.core.tensor_parallel.layers"):
+        init_megatron_parallel_state(world, tensor_model_parallel_size=tp)
+        if save:
+            batches, seq = _layout_batches(1)
+            *_, wrapped, optimizer = _train_ours(strategy, tp, 1, False, batches, seq, iters=2)
+            save_dist_checkpoint(f"{root}/tp{tp}", wrapped, optimizer)
+        else:
+            wrapped, optimizer = _fresh(strategy, tp)
+            load_dist_checkpoint(f"{root}/tp2", wrapped, optimizer)
+        return (ps.get_tensor_model_parallel_rank(), wrapped.state_dict(),
+                full_optimizer_state(wrapped, optimizer, wrapped.dp_group), _partition_dims(wrapped))
+
+
+def _fresh(strategy, tp):
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    from megatron_fsdp_v2.megatron import FullyShardedDataParallel, get_optimizer
+
+    torch.manual_seed(7)
+    model, config = _model(tp, 1, False)
+    with torch.no_grad():                 # other weights than the saved ones: all must come from the file
+        for p in model.parameters():
+            p.add_(1.0)
+    wrapped = FullyShardedDataParallel(config, DistributedDataParallelConfig(data_parallel_sharding_strategy=strategy),
+                                       model)
+    return wrapped, get_optimizer(_optimizer_config(), [wrapped])
+
+
+def _slice(full: torch.Tensor, dim, tp_rank: int, tp: int) -> torch.Tensor:
+    return full if dim is None else full.chunk(tp, dim=dim)[tp_rank]
+
+
+def test_checkpoint_saved_at_tp2_dp2_loads_at_tp1_dp4(tmp_path):
+    saved = run_distributed(checkpoint_worker, 4, str(tmp_path), 2, "optim_grads_params", True, timeout=900)
+    for strategy in ("optim", "optim_grads_params"):
+        loaded = run_distributed(checkpoint_worker, 4, str(tmp_path), 1, strategy, False, timeout=900)
+        _, weights, optimizer, dims = loaded[0]
+        assert any(d is not None for d in dims.values())
+        for tp_rank, want_weights, want_optimizer, _ in saved:
+            for name, want in want_weights.items():
+                got = _slice(weights[name], dims[name], tp_rank, 2)
+                assert torch.equal(got, want), (strategy, tp_rank, name)
+            assert sorted(optimizer) == sorted(want_optimizer)
+            for key, want in want_optimizer.items():
+                name = key[len("state."):].rsplit(".", 1)[0]
+                got = optimizer[key] if want.numel() == optimizer[key].numel() else \
+                    _slice(optimizer[key], dims[name], tp_rank, 2)
+                assert torch.equal(got, want), (strategy, tp_rank, key)

@@ -181,7 +181,7 @@ class Engine:
             pass                                  # a forward recomputed inside backward
         elif training or not self.phase.is_(Phase.AWAITING_BACKWARD, Phase.AWAITING_BACKWARD_NO_SYNC):
             # (an evaluation forward between a training forward and its backward leaves the phase)
-            self.phase.enter(Phase.FORWARD)
+            self.phase.enter(Phase.FORWARD, gradient_sync=self.requires_gradient_sync)
             self.sync_requires_grad()
             if self.broadcast_buffers and training and self.requires_gradient_sync:
                 self._broadcast_buffers()

@@ -46,6 +46,9 @@ class ShardedParameter(NamedTuple):
     module_param: nn.Parameter     # what forward and backward use (whole or 0-element, per strategy)
     main_param: nn.Parameter       # what the optimizer steps: this rank's main-weight piece
     shape: torch.Size
+    # data-parallel rank r holds rows [row_splits[r], row_splits[r + 1]) of the main weight and
+    # its gradient; None where every rank holds all of them (no_shard)
+    row_splits: Optional[tuple] = None
 
 
 class FullyShardedModule:
@@ -66,10 +69,13 @@ class FullyShardedModule:
 
     def sharded_parameters(self) -> Iterator[ShardedParameter]:
         """One record per parameter: its name, the module's own parameter (what forward uses),
-        the optimizer-facing main parameter and the original shape."""
+        the optimizer-facing main parameter, the original shape and which rows each rank holds."""
         for group in self._fsdp_engine.groups:
-            for name, param, main, shape in zip(group.param_names, group.params, group.main_params, group.shapes):
-                yield ShardedParameter(name, param, main, torch.Size(shape))
+            sharded = group.strategy.optim_sharded
+            for index, (name, param, main, shape) in enumerate(zip(group.param_names, group.params, group.main_params,
+                                                                    group.shapes)):
+                yield ShardedParameter(name, param, main, torch.Size(shape),
+                                       group.layout.row_splits(index) if sharded else None)
 
     @property
     def sharding_strategy(self) -> ShardingStrategy:

@@ -7,7 +7,11 @@ weights of a wrapped model, that model.s weight refresh is issued right there (a
 The collective then belongs to the step, not to the first micro-batch of the next step, and it
 overlaps whatever the user does before the next forward (which waits for it).
 
-Engines register weakly: a model that is garbage collected drops out by itself.
+Engines register weakly: a model that is garbage collected drops out by itself. They are kept
+in registration order: one optimizer may step several wrapped models over one process group
+(Megatron's virtual pipeline chunks), and each issues its async all-gathers there, so every rank
+must visit them in the same order (a WeakSet's order follows object addresses, which differ
+between processes: mismatched collectives).
 
 The same pre-step hook catches an optimizer built *before* ``fully_shard``: it holds the module's
 original parameters, whose storage the wrapper took over, so it would silently train nothing.
@@ -17,11 +21,13 @@ raises, naming a parameter and the fix.
 
 from __future__ import annotations
 
+import itertools
 import weakref
 
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-_ENGINES: "weakref.WeakSet" = weakref.WeakSet()
+_ENGINES: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()   # registration number -> engine
+_NUMBERS = itertools.count()
 _HANDLE = None
 REPLACED_ATTR = "_fsdp_replaced_by_wrapper"     # on a parameter whose storage a wrapper took over
 _CHECKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # optimizer -> params checked
@@ -51,7 +57,7 @@ def _engines_of(optimizer) -> list:
     if not _ENGINES:
         return []
     stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    return [engine for engine in list(_ENGINES) if engine.owns_any(stepped)]
+    return [engine for engine in list(_ENGINES.values()) if engine.owns_any(stepped)]
 
 
 def _before_optimizer_step(optimizer, args, kwargs) -> None:
@@ -76,9 +82,12 @@ def watch_optimizer_steps(engine) -> None:
     if _HANDLE is None:
         _HANDLE = (register_optimizer_step_pre_hook(_before_optimizer_step),
                    register_optimizer_step_post_hook(_after_optimizer_step))
-    _ENGINES.add(engine)
+    if engine not in list(_ENGINES.values()):
+        _ENGINES[next(_NUMBERS)] = engine
 
 
 def unwatch_optimizer_steps(engine) -> None:
     """Forget ``engine`` (its module was unwrapped, e.g. absorbed by an outer ``fully_shard``)."""
-    _ENGINES.discard(engine)
+    for number, watched in list(_ENGINES.items()):
+        if watched is engine:
+            del _ENGINES[number]

@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-__all__ = ["RowShardedTensor", "local_piece", "mesh_of_group", "row_sharded"]
+__all__ = ["RowShardedTensor", "gather_rows", "local_piece", "mesh_of_group", "row_sharded"]
 
 _aten = torch.ops.aten
 _MAX_NORM_OPS = {_aten._foreach_norm.Scalar, _aten.linalg_vector_norm.default}
@@ -64,16 +64,7 @@ class RowShardedTensor(DTensor):
                                   f"{tuple(self.placements)} on the same mesh, got {targets}; call full_tensor() first.")
 
     def _gather_rows(self) -> torch.Tensor:
-        local = self._local_tensor.detach()
-        group = self.device_mesh.get_group()
-        counts = [b - a for a, b in zip(self.row_splits, self.row_splits[1:])]
-        most = max(counts)
-        padded = local.new_zeros((most, *local.shape[1:]))
-        padded[:local.shape[0]].copy_(local)
-        gathered = local.new_empty((len(counts) * most, *local.shape[1:]))
-        dist.all_gather_into_tensor(gathered, padded.contiguous(), group=group)
-        pieces = [gathered[r * most:r * most + n] for r, n in enumerate(counts)]
-        return torch.cat(pieces).reshape(self.shape)
+        return gather_rows(self._local_tensor.detach(), self.row_splits, self.device_mesh.get_group()).reshape(self.shape)
 
     # -- torch.distributed.checkpoint (its _Checkpointable protocol) -------------------------
     def _chunk(self) -> ChunkStorageMetadata:
@@ -263,6 +254,18 @@ def _wrap(local: torch.Tensor, spec, row_splits: tuple, requires_grad: bool) -> 
     tensor = RowShardedTensor(local, spec, requires_grad=requires_grad)
     tensor.row_splits = row_splits
     return tensor
+
+
+def gather_rows(local: torch.Tensor, row_splits: Sequence[int], group) -> torch.Tensor:
+    """The whole tensor from every rank's rows (rank ``r``: rows ``[row_splits[r], row_splits[r + 1])``,
+    ``local`` here): one all-gather of pieces padded to the most rows, on every rank of ``group``."""
+    counts = [b - a for a, b in zip(row_splits, row_splits[1:])]
+    most = max(counts)
+    padded = local.new_zeros((most, *local.shape[1:]))
+    padded[:local.shape[0]].copy_(local)
+    gathered = local.new_empty((len(counts) * most, *local.shape[1:]))
+    dist.all_gather_into_tensor(gathered, padded.contiguous(), group=group)
+    return torch.cat([gathered[r * most:r * most + n] for r, n in enumerate(counts)])
 
 
 def local_piece(tensor: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

@@ -209,6 +209,21 @@ def _make_cpu_clip_grad_by_total_norm_fp32(clip_grads_module):
     return clip_grad_by_total_norm_fp32
 
 
+def _cpu_embedding_sync(original):
+    """``LanguageModule.setup_embeddings_and_output_layer`` moves the tied word embedding to CUDA
+    (``weight.data.cuda()``) before all-reducing it over the first and last pipeline stages: the
+    same call with that move as a no-op (only for the duration of this Megatron method)."""
+    def setup_embeddings_and_output_layer(self, *args, **kwargs):
+        cuda = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda tensor, *a, **k: tensor
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            torch.Tensor.cuda = cuda
+
+    return setup_embeddings_and_output_layer
+
+
 class _Patcher:
     def __init__(self):
         self._undo: List[Callable[[], None]] = []
@@ -269,6 +284,8 @@ def patch_megatron_for_cpu(*extra_modules: str):
          (``torch.cuda.synchronize``, a failure flag on 'cuda') becomes a
          shim mapping ``device="cuda"`` factories and
          ``torch.cuda.current_device()/current_stream()/stream()`` to CPU / no-ops.
+      5. ``LanguageModule.setup_embeddings_and_output_layer`` (pipeline stages sharing the word
+         embedding: ``weight.data.cuda()`` before the all-reduce) runs with that move a no-op.
       4. ``clip_grad_by_total_norm_fp32`` (asserts ``grad.type() == 'torch.cuda.FloatTensor'``)
          is replaced in ``clip_grads`` and ``optimizer.optimizer`` by a copy asserting float32;
          ``clip_grads.l2_norm_impl`` (the no-TE/no-apex fallback allocates on 'cuda') by a CPU copy.
@@ -292,6 +309,10 @@ def patch_megatron_for_cpu(*extra_modules: str):
         p.setattr(mrandom, "_get_cuda_rng_state", _cpu_get_cuda_rng_state)
         p.setattr(mrandom, "_set_cuda_rng_state", _cpu_set_cuda_rng_state)
         p.setattr(mrandom.CudaRNGStatesTracker, "add", _cpu_tracker_add)
+        from megatron.core.models.common.language_module.language_module import LanguageModule
+
+        p.setattr(LanguageModule, "setup_embeddings_and_output_layer",
+                  _cpu_embedding_sync(LanguageModule.setup_embeddings_and_output_layer))
         shim = _CpuTorchModule()
         for modname in (*_MODULES_WITH_CPU_TORCH, *extra_modules):
             mod = importlib.import_module(modname)

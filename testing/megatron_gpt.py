@@ -41,7 +41,7 @@ def mlp_only_layer_spec():
 
 
 def local_gpt(config, vocab: int, seq: int, seed: Optional[int] = None, share_embeddings: bool = True,
-              layer_spec=None):
+              layer_spec=None, pre_process: bool = True, post_process: bool = True, vp_stage: Optional[int] = None):
     """Megatron's ``GPTModel`` with the local (non-Transformer-Engine) layer spec (or
     ``layer_spec``) and learned absolute positions. With ``seed`` it is built under
     ``torch.manual_seed(seed)`` and the caller's CPU RNG state is restored afterwards."""
@@ -53,7 +53,8 @@ def local_gpt(config, vocab: int, seq: int, seed: Optional[int] = None, share_em
         torch.manual_seed(seed)
     try:
         return GPTModel(config=config, transformer_layer_spec=layer_spec or get_gpt_layer_local_spec(), vocab_size=vocab,
-                        max_sequence_length=seq, pre_process=True, post_process=True, parallel_output=True,
+                        max_sequence_length=seq, pre_process=pre_process, post_process=post_process,
+                        parallel_output=True, vp_stage=vp_stage,
                         share_embeddings_and_output_weights=share_embeddings,
                         position_embedding_type="learned_absolute")
     finally:

@@ -83,6 +83,7 @@ def build_tiny_gpt(
     heads: int = 4,
     seq: int = 16,
     layer_spec=None,
+    stage: Optional[Dict[str, Any]] = None,
     **config_overrides,
 ):
     """Build a tiny fp32 ``GPTModel`` with the local (non-TE) layer spec on CPU.
@@ -92,7 +93,8 @@ def build_tiny_gpt(
     ``(model, config)``.
     """
     config = tiny_cpu_config(layers, hidden, heads, **config_overrides)
-    return local_gpt(config, vocab, seq, seed=seed, layer_spec=layer_spec), config
+    stage = stage or {}     # pipeline stage: pre_process, post_process, vp_stage
+    return local_gpt(config, vocab, seq, seed=seed, layer_spec=layer_spec, **stage), config
 
 
 @contextlib.contextmanager

@@ -69,6 +69,7 @@ from .meta_init import megatron_init_fn
 from .dist_checkpoint import (install_model_checkpointing, megatron_layout, model_sharded_state_dict,
                               model_values_from_loaded)
 from ..mixed_precision import MixedPrecisionPolicy
+from ..row_sharded import gather_rows
 from ..strategy import STRATEGY_NAMES, get_strategy
 
 logger = logging.getLogger(__name__)
@@ -105,7 +106,7 @@ def _group_size(group) -> int:
 
 def _parallel_sizes(pg_collection) -> dict:
     """Sizes of the model-parallel groups this wrapper cannot combine with (1 when absent)."""
-    names = {"pp": "pipeline", "ep": "expert", "expt_tp": "expert tensor"}
+    names = {"ep": "expert", "expt_tp": "expert tensor"}
     sizes = {}
     if pg_collection is not None:
         for attr in names:
@@ -114,7 +115,6 @@ def _parallel_sizes(pg_collection) -> dict:
     from megatron.core import parallel_state as ps
 
     getters = {
-        "pp": ps.get_pipeline_model_parallel_world_size,
         "ep": ps.get_expert_model_parallel_world_size,
         "expt_tp": ps.get_expert_tensor_parallel_world_size,
     }
@@ -139,17 +139,13 @@ def _unsupported_settings(config: TransformerConfig, ddp_config: DistributedData
     # the tensor-parallel size, experts or not).
     experts = bool(getattr(config, "num_moe_experts", None))
     for attr, flag, group in (
-        ("pipeline_model_parallel_size", "--pipeline-model-parallel-size", "pp"),
         *((("expert_model_parallel_size", "--expert-model-parallel-size", "ep"),
            ("expert_tensor_parallel_size", "--expert-tensor-parallel-size", "expt_tp")) if experts else ()),
     ):
         value = getattr(config, attr, 1) or 1
         size = max(int(value), sizes.get(group, 1))
-        check(size > 1, f"{attr}={size} ({flag}): data parallelism composes with tensor (and sequence) and "
-                        f"context parallelism; pipeline and expert parallel sizes must be 1")
-    check(getattr(config, "virtual_pipeline_model_parallel_size", None) not in (None, 1),
-          f"virtual_pipeline_model_parallel_size={config.virtual_pipeline_model_parallel_size} "
-          "(--num-layers-per-virtual-pipeline-stage): pipeline parallelism is not supported")
+        check(size > 1, f"{attr}={size} ({flag}): data parallelism composes with tensor (and sequence), context "
+                        f"and pipeline parallelism; expert parallel sizes must be 1")
     check(getattr(config, "fp8", None) is not None,
           f"fp8={config.fp8!r} (--fp8-format): FP8 compute weights are not supported")
     check(getattr(config, "fp4", None) is not None,
@@ -274,6 +270,7 @@ class FullyShardedDataParallel(DistributedDataParallel):
         # A model built under torch.device("meta") (--init-model-with-meta-device): Megatron's own
         # layer initialization, one layer at a time, keeping only shards (meta_init.py).
         meta = any(p.is_meta for p in module.parameters())
+        tied_name = self._tied_embedding_name(module, unwrapped)
         fully_shard(module, sharding_strategy=strategy, process_group=dp_group, unit_modules=units,
                     init_fn=megatron_init_fn(config) if meta else None,
                     mixed_precision=policy, check_for_nan_in_grad=bool(ddp_config.check_for_nan_in_grad),
@@ -291,6 +288,8 @@ class FullyShardedDataParallel(DistributedDataParallel):
         self.intra_dp_cp_group = dp_group
         self.tp_group = self._tensor_parallel_group(pg_collection)
         self._check_tensor_parallel_peers_share_the_layout()
+        self._tied_embedding = self._tied_embedding_across_stages(tied_name, pg_collection)
+        self._tied_embedding_grad_summed = False
         self.pg_collection = pg_collection
         # Megatron DDP bookkeeping that training.py / the optimizer may iterate: always empty here.
         self.bucket_size = None
@@ -358,6 +357,59 @@ class FullyShardedDataParallel(DistributedDataParallel):
         present = [cls for cls in _default_unit_classes() if any(isinstance(m, cls) for m in module.modules())]
         return present or None
 
+    @staticmethod
+    def _tied_embedding_name(module: nn.Module, unwrapped: nn.Module) -> Optional[str]:
+        """The name (in ``module``) of the word embedding this pipeline stage shares with another:
+        the first stage's input embedding or the last stage's output layer of a model with
+        ``share_embeddings_and_output_weights``; None when this chunk holds neither."""
+        if not getattr(unwrapped, "share_embeddings_and_output_weights", False):
+            return None
+        if not (getattr(unwrapped, "pre_process", False) or getattr(unwrapped, "post_process", False)):
+            return None
+        weight = unwrapped.shared_embedding_or_output_weight()
+        return next((name for name, p in module.named_parameters() if p is weight), None)
+
+    def _tied_embedding_across_stages(self, name: Optional[str], pg_collection):
+        """(the tied weight's record, Megatron's embedding group) when this rank's copy of the word
+        embedding has a twin on another pipeline stage, else None (see ``_all_reduce_tied_embedding_grad``)."""
+        if name is None:
+            return None
+        if pg_collection is not None:
+            group = getattr(pg_collection, "embd", None)
+        else:
+            from megatron.core import parallel_state as ps
+
+            group = ps.get_embedding_group(check_initialized=False)
+        if group is None or dist.get_world_size(group) == 1 or dist.get_rank() not in dist.get_process_group_ranks(group):
+            return None
+        entry = next(e for e in self.module.sharded_parameters() if e.name == name)
+        return entry, group
+
+    def _all_reduce_tied_embedding_grad(self) -> None:
+        """With pipeline parallelism the first stage's word embedding and the last stage's output
+        layer are one weight held twice; their gradients must be summed over Megatron's embedding
+        group after the data-parallel reduce, as Megatron DDP's ``finalize_model_grads`` does.
+        Megatron's own all-reduce reads the module's weight's ``.grad``, which this wrapper never
+        fills (gradients live in its buffers), and skips a None gradient without a word: left to
+        it, the two copies would drift apart. The stages lay out different parameter sets, so their
+        rows of this weight differ: each gathers the whole gradient over the data-parallel group,
+        sums it over the embedding group and keeps its rows."""
+        if self._tied_embedding is None or self._tied_embedding_grad_summed:
+            return
+        self._tied_embedding_grad_summed = True        # once per step: zero_grad_buffer resets it
+        entry, group = self._tied_embedding
+        grad = entry.main_param.grad
+        if grad is None:
+            raise RuntimeError(f"{entry.name}: the tied word embedding has no gradient to sum over the pipeline "
+                               "stages (FullyShardedDataParallel gives every parameter one).")
+        if entry.row_splits is None:
+            dist.all_reduce(grad, group=group)
+            return
+        full = gather_rows(grad, entry.row_splits, self.dp_group)
+        dist.all_reduce(full, group=group)
+        rank = dist.get_rank(self.dp_group)
+        grad.copy_(full[entry.row_splits[rank]:entry.row_splits[rank + 1]])
+
     def _check_tensor_parallel_peers_share_the_layout(self) -> None:
         """Megatron's ``finalize_model_grads`` all-reduces the gradients of sequence-parallel
         layer norms (and q/k layer norms) over the tensor-parallel group *elementwise on what this
@@ -415,6 +467,7 @@ class FullyShardedDataParallel(DistributedDataParallel):
         params' ``.grad``. ``force_all_reduce`` (Megatron: keep full grads for dumping them) is
         ignored: the sharded strategies only ever hold their shard of the gradients."""
         self.module.wait_gradient_reduction()
+        self._all_reduce_tied_embedding_grad()
         self._expose_grads_to_finalize_model_grads()
 
     def _expose_grads_to_finalize_model_grads(self) -> None:
@@ -438,6 +491,7 @@ class FullyShardedDataParallel(DistributedDataParallel):
     def zero_grad_buffer(self) -> None:
         """Zero the gradients and keep every ``main_grad``/``.grad`` tensor (Megatron DDP's contract)."""
         self.module.zero_grad(set_to_none=False)
+        self._tied_embedding_grad_summed = False
 
     # ------------------------------------------------------------------ weight sync
     def start_param_sync(self, *unused, force_sync: bool = False, force_dispatch: bool = False) -> None:

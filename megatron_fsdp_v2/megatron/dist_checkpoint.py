@@ -369,6 +369,21 @@ class ShardedOptimizerCheckpoint:
         and refreshes the compute weights); Megatron's version raises on this path."""
 
 
+class MultiChunkOptimizerCheckpoint:
+    """A Megatron optimizer stepping the main weights of several model chunks (virtual pipeline
+    stages): it trains, but its checkpoint is refused on every rank, naming why, instead of being
+    written under names that collide between chunks."""
+
+    def _refuse(self, *unused, **unused_kw):
+        raise NotImplementedError(
+            f"optimizer checkpoint: this {type(self).__name__} steps the parameters of {self._fsdp_v2_chunk_count} "
+            "model chunks (virtual pipeline stages); FullyShardedDataParallel checkpoints optimizers of one chunk "
+            "each (virtual_pipeline_model_parallel_size 1). Save the model alone, or train without virtual stages.")
+
+    sharded_state_dict = _refuse
+    load_state_dict = _refuse
+
+
 def install_optimizer_checkpointing(optimizer, chunks) -> None:
     """Give every leaf of ``optimizer`` (a Megatron optimizer over ``chunks``' main weights)
     ``ShardedOptimizerCheckpoint``."""
@@ -379,9 +394,12 @@ def install_optimizer_checkpointing(optimizer, chunks) -> None:
         if inner is None:       # a stub optimizer (no parameters on this rank)
             continue
         mine = {id(owners[id(p)]): owners[id(p)] for g in inner.param_groups for p in g["params"] if id(p) in owners}
-        if len(mine) != 1:
-            raise ValueError(f"get_optimizer: a {type(leaf).__name__} steps parameters of {len(mine)} model chunks; "
-                             "checkpointing needs exactly one chunk per leaf optimizer.")
+        if len(mine) > 1:       # virtual pipeline stages: Megatron builds one optimizer over all chunks
+            _with_mixin(leaf, MultiChunkOptimizerCheckpoint)
+            leaf._fsdp_v2_chunk_count = len(mine)
+            continue
+        if not mine:
+            raise ValueError(f"get_optimizer: a {type(leaf).__name__} steps no main weight of the given chunks.")
         (chunk,) = mine.values()
         _with_mixin(leaf, ShardedOptimizerCheckpoint)
         leaf._fsdp_v2_model = chunk.module

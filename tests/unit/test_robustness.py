@@ -213,3 +213,30 @@ def test_a_dropped_model_is_freed(strategy, single_rank_group):
     del model, opt
     gc.collect()
     assert model_ref() is None and engine_ref() is None
+
+
+def several_models_worker(rank, world_size):
+    """Six ZeRO-1 models over one group, one optimizer: each step issues six async all-gathers
+    there, which every rank must issue in the same order."""
+    from megatron_fsdp_v2 import optimizer_hook
+
+    torch.manual_seed(0)
+    models = [fully_shard(UnevenNet(), sharding_strategy="optim") for _ in range(6)]
+    opt = torch.optim.SGD([p for m in models for p in m.parameters()], lr=0.1)
+    engines = [m._fsdp_engine for m in models]
+    order = [engines.index(e) for e in optimizer_hook._engines_of(opt)]
+    x, y = make_batches(0, rank, 1)[0]
+    for _ in range(2):
+        sum(loss_fn(m(x), y) for m in models).backward()
+        opt.step()
+        opt.zero_grad()
+    return order, [m.full_state_dict() for m in models]
+
+
+def test_one_optimizer_over_several_models_refreshes_them_in_registration_order():
+    results = run_distributed(several_models_worker, 2)
+    for order, _ in results:
+        assert order == list(range(6))
+    for got, want in zip(results[1][1], results[0][1]):
+        for name, value in want.items():
+            assert torch.equal(got[name], value), name

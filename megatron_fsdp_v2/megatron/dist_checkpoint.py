@@ -70,7 +70,7 @@ logger = logging.getLogger(__name__)
 
 #: Marks an optimizer sharded state dict as ours; its value is the format version.
 FORMAT_KEY = "megatron_fsdp_v2_format"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2      # 2: optimizer state under Megatron's (stacked) parameter keys; 1: parameter names
 
 
 def _describe(value) -> str:
@@ -327,20 +327,29 @@ class ShardedOptimizerCheckpoint:
         return out
 
     def _state_placement(self, key: str, value) -> Optional[Placement]:
-        """Per-element state of a tensor-parallel slice sits where the slice sits in the whole
-        parameter (its model placement's tensor offsets and replica id), under our own key;
-        anything else (``step``) is a replica on every tensor- and data-parallel rank."""
-        name = key[len("state."):].rsplit(".", 1)[0]
+        """Where optimizer state ``key`` (``state.<param name>.<state key>``) lives in the checkpoint:
+        under its parameter's Megatron key (``optimizer.state.<megatron key>.<state key>``, with the
+        stacked-layer axes, so pipeline stages and virtual chunks never collide and any other
+        pipeline layout finds it); per-element state also at the parameter's tensor-parallel slice
+        and with its replica id (a tied output layer's copy is not the main replica), scalar state
+        (``step``) one element per stacked layer, a replica on every tensor-parallel rank.
+        Parameters Megatron does not place keep ``optimizer.state.<param name>``, as does every
+        parameter in format 1 (``_read_as_written``)."""
+        name, sub = key[len("state."):].rsplit(".", 1)
         found = self._fsdp_v2_slices.get(name)
-        if found is None or tuple(value.shape) != found[1]:
+        if found is None or getattr(self, "_fsdp_v2_format", FORMAT_VERSION) == 1:
             return None
-        placement = found[0]
-        return Placement(f"optimizer.{key}", (), (), placement.tensor_offsets, placement.tensor_shape,
-                         placement.replica_id)
+        placement, local_shape = found
+        target = f"optimizer.state.{placement.key}.{sub}"
+        if tuple(value.shape) == local_shape and sub != "step":
+            return placement._replace(key=target)
+        replica = placement.replica_id[0] if isinstance(placement.replica_id, tuple) else 0
+        return Placement(target, placement.prepend_offsets, placement.prepend_shape,
+                         replica_id=(replica, self._fsdp_v2_tp_rank, 0))
 
     def load_state_dict(self, state_dict):
         """Load what ``dist_checkpointing.load`` returned for ``sharded_state_dict()``."""
-        if not isinstance(state_dict, dict) or state_dict.get(FORMAT_KEY) != FORMAT_VERSION:
+        if not isinstance(state_dict, dict) or state_dict.get(FORMAT_KEY) not in (1, FORMAT_VERSION):
             got = state_dict.get(FORMAT_KEY) if isinstance(state_dict, dict) else type(state_dict).__name__
             raise ValueError(f"optimizer.load_state_dict: expected the dict sharded_state_dict() builds, filled by "
                              f"dist_checkpointing.load ({FORMAT_KEY}={FORMAT_VERSION}), got {FORMAT_KEY}={got!r}; "
@@ -428,6 +437,22 @@ def save_dist_checkpoint(path: "str | os.PathLike", model, optimizer=None) -> No
     write_directory_manifest(path)         # checksums of every shard file and .metadata
 
 
+def _read_as_written(optimizer, path: str) -> None:
+    """Checkpoints of format 1 keep optimizer state under parameter names (``decoder.layers.0...``),
+    format 2 under Megatron's stacked keys (``decoder.layers...`` with the layer as an offset): a
+    leaf whose stacked parameters appear only under their names in the checkpoint reads format 1
+    (written before pipeline parallelism, so at pipeline size 1, where the names are global)."""
+    owners = {k.rsplit(".", 1)[0] for k in SafeFileSystemReader(path).read_metadata().state_dict_metadata}
+    for leaf in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        slices = getattr(leaf, "_fsdp_v2_slices", None)
+        if not slices:
+            continue
+        stacked = [(name, placement.key) for name, (placement, _) in slices.items() if placement.key != name]
+        by_key = any(f"optimizer.state.{key}" in owners for _, key in stacked)
+        by_name = any(f"optimizer.state.{name}" in owners for name, _ in stacked)
+        leaf._fsdp_v2_format = 1 if by_name and not by_key else FORMAT_VERSION
+
+
 @contextlib.contextmanager
 def safe_dcp_reading():
     """Within it, Megatron's ``dist_checkpointing`` reads DCP files through ``SafeFileSystemReader``
@@ -467,9 +492,10 @@ def load_dist_checkpoint(path: "str | os.PathLike", model, optimizer=None) -> No
 
     model_sd = model.sharded_state_dict()
     state = {"model": model_sd}
-    if optimizer is not None:
-        state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=True)
     verify_directory(path)                 # before Megatron reads: a mismatch raises on every rank
+    if optimizer is not None:
+        _read_as_written(optimizer, os.fspath(path))
+        state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=True)
     with safe_dcp_reading():
         loaded = dist_checkpointing.load(state, os.fspath(path))
     model.load_state_dict(loaded["model"])

@@ -410,7 +410,7 @@ def test_flat_ranges_become_box_sharded_tensors_and_back():
     shard = FlatRangeShard((3, 5), full.reshape(-1)[3:12].clone(), 3)
     boxes = to_sharded("w", shard, dp_rank=1)
     assert [(b.global_offset, b.local_shape, b.replica_id, b.axis_fragmentations) for b in boxes.values()] == [
-        ((0, 3), (1, 2), 0, None), ((1, 0), (1, 5), 0, None), ((2, 0), (1, 2), 0, None)]
+        ((0, 3), (1, 2), (0, 0, 0), None), ((1, 0), (1, 5), (0, 0, 0), None), ((2, 0), (1, 2), (0, 0, 0), None)]
     assert all(torch.equal(b.data, full[b.global_slice()]) for b in boxes.values())
     back = from_loaded("w", shard, {k: b.data.clone() for k, b in boxes.items()})
     assert (back.flat_start, back.flat_end) == (3, 12) and torch.equal(back.local_flat, shard.local_flat)
@@ -419,9 +419,21 @@ def test_flat_ranges_become_box_sharded_tensors_and_back():
     scalar = to_sharded("s", FlatRangeShard((), torch.tensor([2.5]), 0), dp_rank=0)
     assert [(b.global_shape, b.global_offset, b.local_shape) for b in scalar.values()] == [((1,), (0,), (1,))]
     assert to_sharded("s", FlatRangeShard((), torch.empty(0), 1), dp_rank=1) == {}
-    # replicated tensors: one ShardedTensor, written by data-parallel rank 0 only
+    # replicated tensors: one ShardedTensor, written by data-parallel rank 0 of tensor-parallel rank 0 only
+    # (Megatron's replica ids: (0, tensor-parallel rank, data-parallel rank), main when all are 0)
     replicated = to_sharded("b", torch.ones(4), dp_rank=3)
-    assert (replicated.global_shape, replicated.replica_id) == ((4,), 3)
+    assert (replicated.global_shape, replicated.replica_id) == ((4,), (0, 0, 3))
+    assert to_sharded("b", torch.ones(4), dp_rank=0, tp_rank=1).replica_id == (0, 1, 0)
+    # a tensor-parallel slice (rows 4..7 of 8) at its offset; the boxes of its flat range too
+    from megatron_fsdp_v2.megatron.dist_checkpoint import Placement
+
+    half = Placement("w", tensor_offsets=(4, 0), tensor_shape=(8, 5), replica_id=(0, 0, 2))
+    whole = to_sharded("w", torch.ones(4, 5), dp_rank=1, placement=half)
+    assert (whole.global_shape, whole.global_offset, whole.axis_fragmentations, whole.replica_id) == \
+        ((8, 5), (4, 0), (2, 1), (0, 0, 1))
+    sliced = to_sharded("w", FlatRangeShard((4, 5), torch.ones(7), 3), dp_rank=1, placement=half)
+    assert [(b.global_shape, b.global_offset, b.replica_id) for b in sliced.values()] == [
+        ((8, 5), (4, 3), (0, 0, 0)), ((8, 5), (5, 0), (0, 0, 0))]
     with pytest.raises(ValueError, match=r"w: expected this rank's 3 boxes .*got a tensor of shape \(15,\)"):
         from_loaded("w", shard, torch.zeros(15))
     with pytest.raises(ValueError, match=r"w: the loaded boxes hold 3 elements, this rank owns 9"):

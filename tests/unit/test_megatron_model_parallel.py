@@ -143,70 +143,6 @@ def test_context_parallel_matches_megatron_ddp():
     _assert_parity(results, "CP2xDP2")
 
 
-# ---------------------------------------------------------------- checkpoints across tensor-parallel sizes
-def _partition_dims(wrapped) -> dict:
-    """{state_dict name: the axis Megatron splits it on, or None for a tensor-parallel replica}."""
-    return {name[len("module."):]: (p.partition_dim if getattr(p, "tensor_model_parallel", False) else None)
-            for name, p in wrapped.named_parameters()}
-
-
-def checkpoint_worker(rank, world, root, tp, strategy, save):
-    from megatron.core import parallel_state as ps
-
-    from megatron_fsdp_v2.megatron import load_dist_checkpoint, save_dist_checkpoint
-    from tests.megatron_cpu import init_megatron_parallel_state, patch_megatron_for_cpu
-    from tests.state_gather import full_optimizer_state
-
-    with patch_megatron_for_cpu("megatron.core.tensor_parallel.mappings", "megatron.core.tensor_parallel.layers"):
-        init_megatron_parallel_state(world, tensor_model_parallel_size=tp)
-        if save:
-            batches, seq = _layout_batches(1)
-            *_, wrapped, optimizer = _train_ours(strategy, tp, 1, False, batches, seq, iters=2)
-            save_dist_checkpoint(f"{root}/tp{tp}", wrapped, optimizer)
-        else:
-            wrapped, optimizer = _fresh(strategy, tp)
-            load_dist_checkpoint(f"{root}/tp2", wrapped, optimizer)
-        return (ps.get_tensor_model_parallel_rank(), wrapped.state_dict(),
-                full_optimizer_state(wrapped, optimizer, wrapped.dp_group), _partition_dims(wrapped))
-
-
-def _fresh(strategy, tp):
-    from megatron.core.distributed import DistributedDataParallelConfig
-
-    from megatron_fsdp_v2.megatron import FullyShardedDataParallel, get_optimizer
-
-    torch.manual_seed(7)
-    model, config = _model(tp, 1, False)
-    with torch.no_grad():                 # other weights than the saved ones: all must come from the file
-        for p in model.parameters():
-            p.add_(1.0)
-    wrapped = FullyShardedDataParallel(config, DistributedDataParallelConfig(data_parallel_sharding_strategy=strategy),
-                                       model)
-    return wrapped, get_optimizer(_optimizer_config(), [wrapped])
-
-
-def _slice(full: torch.Tensor, dim, tp_rank: int, tp: int) -> torch.Tensor:
-    return full if dim is None else full.chunk(tp, dim=dim)[tp_rank]
-
-
-def test_checkpoint_saved_at_tp2_dp2_loads_at_tp1_dp4(tmp_path):
-    saved = run_distributed(checkpoint_worker, 4, str(tmp_path), 2, "optim_grads_params", True, timeout=900)
-    for strategy in ("optim", "optim_grads_params"):
-        loaded = run_distributed(checkpoint_worker, 4, str(tmp_path), 1, strategy, False, timeout=900)
-        _, weights, optimizer, dims = loaded[0]
-        assert any(d is not None for d in dims.values())
-        for tp_rank, want_weights, want_optimizer, _ in saved:
-            for name, want in want_weights.items():
-                got = _slice(weights[name], dims[name], tp_rank, 2)
-                assert torch.equal(got, want), (strategy, tp_rank, name)
-            assert sorted(optimizer) == sorted(want_optimizer)
-            for key, want in want_optimizer.items():
-                name = key[len("state."):].rsplit(".", 1)[0]
-                got = optimizer[key] if want.numel() == optimizer[key].numel() else \
-                    _slice(optimizer[key], dims[name], tp_rank, 2)
-                assert torch.equal(got, want), (strategy, tp_rank, key)
-
-
 # ---------------------------------------------------------------- pipeline parallelism
 PIPELINE_LAYERS = 4
 
@@ -322,3 +258,110 @@ def test_pipeline_parallel_matches_megatron_ddp(vpp):
     last = [out for out in results if out["megatron_ddp"][0][0] is not None]
     assert len(last) == 2 and last[0]["megatron_ddp"][0][-1] < last[0]["megatron_ddp"][0][0]
     _assert_pipeline_parity(results, ("PP2xDP2", vpp))
+
+
+def test_tensor_and_pipeline_parallel_matches_megatron_ddp():
+    """TP2 x PP2 x DP2 on 8 ranks (tiny: 4 layers of width 32)."""
+    results = run_distributed(pipeline_worker, 8, 2, 2, None, STRATEGIES, timeout=1200)
+    _assert_pipeline_parity(results, "TP2xPP2xDP2")
+
+
+# ---------------------------------------------------------------- checkpoints across parallel layouts
+def _partition_dims(wrapped) -> dict:
+    """{state_dict name: the axis Megatron splits it on, or None for a tensor-parallel replica}."""
+    return {name[len("module."):]: (p.partition_dim if getattr(p, "tensor_model_parallel", False) else None)
+            for name, p in wrapped.named_parameters()}
+
+
+def checkpoint_worker(rank, world, root, tp, pp, strategy, save, written_format=None):
+    """Save (after 2 steps) or load the 4-layer GPT at (tp, pp) through dist_checkpointing; returns
+    (tp rank, first global layer here, weights, full optimizer state, split axes)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    from megatron_fsdp_v2.megatron import (FullyShardedDataParallel, get_optimizer, load_dist_checkpoint,
+                                           save_dist_checkpoint)
+    from tests.megatron_cpu import constant_param_scheduler, init_megatron_parallel_state, patch_megatron_for_cpu
+    from tests.state_gather import full_optimizer_state
+
+    with patch_megatron_for_cpu("megatron.core.tensor_parallel.mappings", "megatron.core.tensor_parallel.layers",
+                                "megatron.core.pipeline_parallel.p2p_communication"):
+        init_megatron_parallel_state(world, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        ((model, config),) = _pipeline_chunks(tp, pp, None)
+        if not save:
+            with torch.no_grad():           # other weights than the saved ones: all must come from the file
+                for p in model.parameters():
+                    p.add_(1.0)
+        wrapped = FullyShardedDataParallel(config, DistributedDataParallelConfig(data_parallel_sharding_strategy=strategy),
+                                           model)
+        optimizer = get_optimizer(_optimizer_config(), [wrapped])
+        constant_param_scheduler(optimizer, LR, WD)
+        if save:
+            if written_format is not None:     # as an earlier version wrote it
+                for leaf in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+                    leaf._fsdp_v2_format = written_format
+            _pipeline_train([wrapped], config, optimizer, _layout_batches(1)[0], iters=2)
+            save_dist_checkpoint(f"{root}/saved", wrapped, optimizer)
+        else:
+            load_dist_checkpoint(f"{root}/saved", wrapped, optimizer)
+        first_layer = ps.get_pipeline_model_parallel_rank() * (PIPELINE_LAYERS // pp)
+        return (ps.get_tensor_model_parallel_rank(), first_layer, wrapped.state_dict(),
+                full_optimizer_state(wrapped, optimizer, wrapped.dp_group), _partition_dims(wrapped))
+
+
+def _global_name(name: str, first_layer: int) -> str:
+    """A stage's parameter name as the whole model (one stage) calls it."""
+    if name.startswith("decoder.layers."):
+        index, rest = name[len("decoder.layers."):].split(".", 1)
+        return f"decoder.layers.{int(index) + first_layer}.{rest}"
+    return "embedding.word_embeddings.weight" if name == "output_layer.weight" else name
+
+
+def _check_loaded(saved, loaded, tp, what):
+    """Every tensor each loaded rank holds equals the saved one (its tensor-parallel slice)."""
+    for tp_rank, first_layer, weights, optimizer, dims in loaded:
+        for source_tp, _, want_weights, want_optimizer, _ in saved:
+            if tp == 2 and source_tp != tp_rank:
+                continue
+            for name, got in weights.items():
+                want = want_weights[_global_name(name, first_layer)]
+                if tp == 1:
+                    got = _slice(got, dims[name], source_tp, 2)
+                assert torch.equal(got, want), (what, tp_rank, name)
+            for key, got in optimizer.items():
+                if not key.startswith("state."):
+                    assert torch.equal(got, want_optimizer[key]), (what, key)
+                    continue
+                name, sub = key[len("state."):].rsplit(".", 1)
+                want = want_optimizer[f"state.{_global_name(name, first_layer)}.{sub}"]
+                if tp == 1 and got.numel() != want.numel():
+                    got = _slice(got, dims[name], source_tp, 2)
+                assert torch.equal(got, want), (what, tp_rank, key)
+
+
+def _slice(full: torch.Tensor, dim, tp_rank: int, tp: int) -> torch.Tensor:
+    return full if dim is None else full.chunk(tp, dim=dim)[tp_rank]
+
+
+def test_checkpoint_saved_at_tp2_dp2_loads_at_tp1_dp4_and_tp2_pp2(tmp_path):
+    saved = run_distributed(checkpoint_worker, 4, str(tmp_path), 2, 1, "optim_grads_params", True, timeout=900)
+    assert any(d is not None for d in saved[0][4].values())      # some parameters really are TP slices
+    for tp, pp, strategy in ((1, 1, "optim"), (1, 1, "optim_grads_params"), (2, 2, "optim_grads")):
+        loaded = run_distributed(checkpoint_worker, 4, str(tmp_path), tp, pp, strategy, False, timeout=900)
+        if pp == 2:
+            assert sorted(r[1] for r in loaded) == [0, 0, 2, 2]
+            assert any("output_layer.weight" in r[2] for r in loaded)   # the tied copy loads from the embedding
+        _check_loaded(saved, loaded, tp, (tp, pp, strategy))
+
+
+def test_optimizer_checkpoints_of_format_1_still_load(tmp_path):
+    """Format 1 (optimizer state under parameter names, before pipeline parallelism) loads at
+    another data-parallel size and strategy."""
+    saved = run_distributed(checkpoint_worker, 2, str(tmp_path), 1, 1, "optim", True, 1, timeout=900)
+    loaded = run_distributed(checkpoint_worker, 4, str(tmp_path), 1, 1, "optim_grads_params", False, timeout=900)
+    for _, _, weights, optimizer, _ in loaded:
+        assert optimizer.keys() == saved[0][3].keys()
+        for key, want in saved[0][3].items():
+            assert torch.equal(optimizer[key], want), key
+        for name, want in saved[0][2].items():
+            assert torch.equal(weights[name], want), name

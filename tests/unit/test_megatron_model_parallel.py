@@ -210,12 +210,20 @@ def _pipeline_run(strategy, tp, pp, vpp, batches):
                                            disable_bucketing=i > 0) for i, (m, c) in enumerate(chunks)]
         optimizer = get_megatron_optimizer(_optimizer_config(), wrapped)
     else:
-        ddp_config = DistributedDataParallelConfig(data_parallel_sharding_strategy=strategy)
+        # "<strategy>+overlap": Megatron-LM's --overlap-grad-reduce --align-grad-reduce, i.e. the
+        # schedules start each chunk's reduce (grad_sync_func) as soon as its last backward is done
+        name, _, overlap = strategy.partition("+")
+        ddp_config = DistributedDataParallelConfig(data_parallel_sharding_strategy=name,
+                                                   overlap_grad_reduce=bool(overlap))
         wrapped = [FullyShardedDataParallel(c, ddp_config, m, disable_bucketing=i > 0)
                    for i, (m, c) in enumerate(chunks)]
         optimizer = get_optimizer(_optimizer_config(), wrapped)
+        if overlap:
+            config.grad_sync_func = [w.start_grad_sync for w in wrapped]
+            config.grad_sync_func = config.grad_sync_func[0] if len(wrapped) == 1 else config.grad_sync_func
     constant_param_scheduler(optimizer, LR, WD)
     losses, norms = _pipeline_train(wrapped, config, optimizer, batches)
+    config.grad_sync_func = None
     states = [{k: v.detach().clone() for k, v in (m.state_dict() if strategy is None else w.state_dict()).items()
                if isinstance(v, torch.Tensor)} for w, (m, _) in zip(wrapped, chunks)]
     return losses, norms, states
@@ -254,7 +262,8 @@ def _assert_pipeline_parity(results, what):
 
 @pytest.mark.parametrize("vpp", [None, 2], ids=["pp2xdp2", "pp2xdp2_vpp2"])
 def test_pipeline_parallel_matches_megatron_ddp(vpp):
-    results = run_distributed(pipeline_worker, 4, 1, 2, vpp, STRATEGIES, timeout=900)
+    overlapped = tuple(f"{s}+overlap" for s in STRATEGIES)
+    results = run_distributed(pipeline_worker, 4, 1, 2, vpp, STRATEGIES + overlapped, timeout=900)
     last = [out for out in results if out["megatron_ddp"][0][0] is not None]
     assert len(last) == 2 and last[0]["megatron_ddp"][0][-1] < last[0]["megatron_ddp"][0][0]
     _assert_pipeline_parity(results, ("PP2xDP2", vpp))
@@ -365,3 +374,54 @@ def test_optimizer_checkpoints_of_format_1_still_load(tmp_path):
             assert torch.equal(optimizer[key], want), key
         for name, want in saved[0][2].items():
             assert torch.equal(weights[name], want), name
+
+
+# ---------------------------------------------------------------- the launcher
+LAUNCHER_ARGS = [
+    "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+    "--max-position-embeddings", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
+    "--train-iters", "5", "--lr", "1e-3", "--tokenizer-type", "NullTokenizer", "--vocab-size", "64",
+    "--transformer-impl", "local", "--data-parallel-sharding-strategy", "optim_grads_params",
+]
+
+
+def launcher_worker(rank, world, flags, tp, pp, cp):
+    """Megatron-LM's parsing and validation of ``flags``, then ``get_model``'s wrapping call under
+    the launcher's hook, at that layout."""
+    from megatron.training import training
+
+    from examples import pretrain_gpt
+    from megatron_fsdp_v2.megatron import FullyShardedDataParallel
+    from tests.megatron_cpu import init_megatron_parallel_state, patch_megatron_for_cpu
+
+    import os
+
+    from megatron.training import arguments
+
+    # what torchrun and a TP user's shell set; validate_args reads the GPU generation when TP > 1 (Hopper: 9)
+    env = {"WORLD_SIZE": str(world), "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    saved_env, saved_arch = {k: os.environ.get(k) for k in env}, arguments.get_device_arch_version
+    os.environ.update(env)
+    arguments.get_device_arch_version = lambda: 9
+    try:
+        args = pretrain_gpt.parse_args(LAUNCHER_ARGS + flags)
+    finally:
+        for key, value in saved_env.items():
+            os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
+        arguments.get_device_arch_version = saved_arch
+    with patch_megatron_for_cpu():
+        init_megatron_parallel_state(world, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                     context_parallel_size=cp)
+        ((model, config),) = _pipeline_chunks(tp, pp, None)
+        with pretrain_gpt.use_fully_sharded_data_parallel():
+            (chunk,) = training.wrap_model_chunks_with_ddp([model], config, training.get_megatron_ddp_config(args),
+                                                          DP=training.DDP, pg_collection=None, bucket_sizes=[None],
+                                                          disable_bucketing_per_chunk=[False])
+        return (args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.sequence_parallel,
+                args.data_parallel_size, type(chunk) is FullyShardedDataParallel, chunk.dp_group.size())
+
+
+def test_launcher_accepts_tensor_and_pipeline_parallel_flags():
+    flags = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--sequence-parallel"]
+    for parsed in run_distributed(launcher_worker, 4, flags, 2, 2, 1, timeout=900):
+        assert parsed == (2, 2, True, 1, True, 1)

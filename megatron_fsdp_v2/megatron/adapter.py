@@ -14,7 +14,8 @@ Megatron                                           megatron_fsdp_v2
 =================================================  ===============================================
 ``ddp_config.data_parallel_sharding_strategy``     ``sharding_strategy`` (``no_shard``, ``optim``,
                                                    ``optim_grads``, ``optim_grads_params``)
-``pg_collection.dp`` (or parallel_state's DP)      ``process_group``
+``pg_collection.dp_cp`` (or parallel_state's DP   ``process_group`` (tensor-parallel peers and
+with context parallel)                             pipeline stages are never reduced together)
 ``fsdp_unit_modules`` (default: every              ``unit_modules``: all-gather / reshard and
 ``TransformerLayer``; with ``disable_bucketing``   gradient-reduce granularity (what Megatron calls
 and no ZeRO-3: one root unit)                      buckets for the other strategies)
@@ -216,8 +217,9 @@ class FullyShardedDataParallel(DistributedDataParallel):
         module: the bare model (or ``Float16Module``), already on its device. Sharded in place.
         disable_bucketing: with ``True`` and a strategy other than ZeRO-3, one root unit (one
             gradient reduce per step, like Megatron's single bucket).
-        pg_collection: process groups; ``pg_collection.dp`` is the data-parallel group. ``None``:
-            Megatron's ``parallel_state``.
+        pg_collection: process groups; ``pg_collection.dp_cp`` (``dp`` without context
+            parallelism) is the group states are sharded over, ``tp`` and ``embd`` are read too
+            (docs/design.md, "Process groups"). ``None``: Megatron's ``parallel_state``.
         fsdp_unit_modules: module classes whose instances are units (default ``TransformerLayer``).
         full_param_layout: accepted for signature compatibility; must be ``None``.
         device: optional check that every parameter already lives there (nothing is moved).

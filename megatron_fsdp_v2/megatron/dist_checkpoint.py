@@ -27,8 +27,12 @@ are stacked under one key (``decoder.layers.mlp.linear_fc1.weight``, global shap
   tensor leaves its key out: Megatron saves rank 0's non-tensor leftovers (an empty dict or list
   too) as common state and merges every load into them, so an empty entry would clash with the
   tensor another strategy loads there (and lists of boxes would have to have equal lengths);
-* a replicated tensor (``no_shard`` weights, buffers, Adam's ``step``) -> one ShardedTensor with
-  ``replica_id`` = data-parallel rank, so rank 0 writes it; 0-d tensors travel as shape ``(1,)``;
+* a replicated tensor (``no_shard`` weights, buffers, Adam's ``step``) -> one ShardedTensor whose
+  replica id's data-parallel element is the data-parallel rank, so rank 0 writes it; 0-d tensors
+  travel as shape ``(1,)``;
+* with tensor parallelism each value sits at its rank's slice of the whole tensor (offset and
+  global shape from Megatron's entry) with Megatron's replica id (``(0, tp_rank, dp)`` for a
+  tensor-parallel replica such as a layer norm), the data-parallel element ours;
 * optimizer hyperparameters and the optimizer's class name -> common state (rank 0's
   ``common.pt``), as Megatron stores its own.
 
@@ -36,8 +40,11 @@ Megatron's ``_extra_state`` objects are passed through and tied aliases it leave
 (``output_layer.weight``) are left out, so a model checkpoint has exactly Megatron DDP's keys and
 global shapes: Megatron DDP checkpoints load into every strategy and ours into Megatron DDP
 (model state; the weights are saved in main precision). Since the keys and shapes do not depend on
-the layout, checkpoints reshard across data-parallel sizes and strategies. Optimizer state lives
-under ``optimizer.state.<param name>.<key>``, our own names. ``dist_checkpointing.load`` returns the
+the layout, checkpoints reshard across data-parallel, tensor- and pipeline-parallel sizes and
+strategies. Optimizer state (format 2) lives under ``optimizer.state.<Megatron key>.<key>`` at the
+parameter's stacked-layer offset and tensor-parallel slice, so it is global across pipeline stages
+too; format 1 (before pipeline parallelism) used ``optimizer.state.<param name>.<key>`` and still
+loads (``_read_as_written``). ``dist_checkpointing.load`` returns the
 same structure with tensors in place of ShardedTensors; ``from_loaded`` turns a box dict back into
 this rank's ``FlatRangeShard`` and the core's loaders copy it into place.
 """

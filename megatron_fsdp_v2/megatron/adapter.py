@@ -425,12 +425,13 @@ class FullyShardedDataParallel(DistributedDataParallel):
         mine = [(entry.name, tuple(entry.shape)) for entry in self.module.sharded_parameters()]
         everyone = [None] * dist.get_world_size(group)
         dist.all_gather_object(everyone, mine, group=group)
-        differing = [(i, [a for a, b in zip(theirs, mine) if a != b][:3]) for i, theirs in enumerate(everyone)
-                     if theirs != mine]
+        first = everyone[0]           # every rank words the error alike: each peer against peer 0
+        differing = [(i, [a for a, b in zip(theirs, first) if a != b][:3] or f"{len(theirs)} vs {len(first)} parameters")
+                     for i, theirs in enumerate(everyone) if theirs != first]
         if differing:
-            raise ValueError(f"module: tensor-parallel peers hold parameters of different shapes (first differences "
-                             f"by peer: {differing}); FullyShardedDataParallel needs every tensor-parallel rank to "
-                             "hold the same parameter shapes in the same order.")
+            raise ValueError(f"module: tensor-parallel peers hold parameters of different shapes (peer: its first "
+                             f"(name, shape) differing from peer 0's: {differing}); FullyShardedDataParallel needs "
+                             "every tensor-parallel rank to hold the same parameter shapes in the same order.")
 
     def _annotate_main_params(self) -> None:
         """Give each main parameter the original parameter's Megatron attributes and shape."""

@@ -266,8 +266,9 @@ def model_sharded_state_dict(values: "OrderedDict[str, torch.Tensor]", dp_rank: 
     ``state_dict()`` gives them), at Megatron's own placements where ``layout`` has them, with its
     ``_extra_state`` objects; tied aliases Megatron leaves out are left out too."""
     if sharded_offsets:
-        raise ValueError(f"sharded_state_dict: sharded_offsets are for pipeline-parallel layer offsets, which "
-                         f"FullyShardedDataParallel does not support (PP=1); got {sharded_offsets!r}.")
+        raise ValueError(f"sharded_state_dict: FullyShardedDataParallel takes every offset (pipeline stages and "
+                         f"virtual chunks included) from the module's own sharded_state_dict; pass "
+                         f"sharded_offsets=(), got {sharded_offsets!r}.")
     placements, extras = layout or MegatronLayout({}, {})
     out, placed = {}, set()
     for key, value in values.items():

@@ -201,23 +201,30 @@ def _error_cases(world_size):
 
     out = {}
     out["unknown_strategy"] = _expect_error(lambda: _build("zero4"))
-    out["tp2_config"] = _expect_error(lambda: _build("optim", config_overrides=dict(tensor_model_parallel_size=2)))
     out["grad_accum_fusion"] = _expect_error(
         lambda: _build("optim", config_overrides=dict(gradient_accumulation_fusion=True)))
     out["fp8_param_gather"] = _expect_error(lambda: _build("optim_grads_params", fp8_param_gather=True))
     out["two_optimizer_instances"] = _expect_error(lambda: _build("optim", num_distributed_optimizer_instances=2))
 
     tp_group = dist.new_group(list(range(world_size)))   # a real 2-rank "tensor-parallel" group
+    own_group = [dist.new_group([r]) for r in range(world_size)][dist.get_rank()]
 
-    def tensor_parallel_group():
+    def tensor_parallel_peers_of_other_shapes():
         pgs = ProcessGroupCollection()
-        pgs.dp = dist.group.WORLD
-        pgs.tp = tp_group
-        model, config = build_tiny_gpt(MODEL_SEED, vocab=VOCAB, seq=SEQ)
+        pgs.dp, pgs.tp = own_group, tp_group
+        model, config = build_tiny_gpt(MODEL_SEED, vocab=VOCAB + 8 * dist.get_rank(), seq=SEQ)
         FullyShardedDataParallel(config, DistributedDataParallelConfig(data_parallel_sharding_strategy="optim"),
                                  model, pg_collection=pgs)
 
-    out["tp_group_size"] = _expect_error(tensor_parallel_group)
+    out["tp_peer_shapes"] = _expect_error(tensor_parallel_peers_of_other_shapes)
+    from megatron_fsdp_v2.megatron.adapter import _unsupported_settings
+    from testing.megatron_gpt import tiny_cpu_config
+
+    expert_config = tiny_cpu_config(2, 32, 4, num_moe_experts=4, expert_model_parallel_size=2)
+    out["expert_parallel"] = _unsupported_settings(expert_config, DistributedDataParallelConfig(), None, {})
+    model_parallel = tiny_cpu_config(2, 32, 4, tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
+                                     context_parallel_size=2, sequence_parallel=True)
+    out["model_parallel"] = _unsupported_settings(model_parallel, DistributedDataParallelConfig(), None, {})
     wrapped, _ = _build("optim")
     out["sgd_fp16"] = _expect_error(lambda: get_optimizer(_opt_config("sgd", LR_SGD, fp16=True), [wrapped]))
     return out
@@ -497,8 +504,13 @@ def test_errors_name_the_setting(two_ranks):
     for name in STRATEGIES:
         assert repr(name) in errors["unknown_strategy"]
     assert "'zero4'" in errors["unknown_strategy"]
-    assert "tensor_model_parallel_size=2" in errors["tp2_config"]
-    assert "tensor_model_parallel_size=2" in errors["tp_group_size"]
+    assert errors["tp_peer_shapes"].startswith("ValueError: module: tensor-parallel peers hold parameters of "
+                                               "different shapes")
+    assert "embedding.word_embeddings.weight" in errors["tp_peer_shapes"]
+    assert errors["expert_parallel"] == ["expert_model_parallel_size=2 (--expert-model-parallel-size): data "
+                                         "parallelism composes with tensor (and sequence), context and pipeline "
+                                         "parallelism; expert parallel sizes must be 1"]
+    assert errors["model_parallel"] == []        # TP, PP, CP and sequence parallel are accepted
     assert "gradient_accumulation_fusion" in errors["grad_accum_fusion"]
     assert "fp8_param_gather" in errors["fp8_param_gather"]
     assert "num_distributed_optimizer_instances=2" in errors["two_optimizer_instances"]

@@ -398,7 +398,7 @@ class FullyShardedDataParallel(DistributedDataParallel):
         sums it over the embedding group and keeps its rows."""
         if self._tied_embedding is None or self._tied_embedding_grad_summed:
             return
-        self._tied_embedding_grad_summed = True        # once per step: zero_grad_buffer resets it
+        self._tied_embedding_grad_summed = True        # once per step: a forward or zero_grad_buffer resets it
         entry, group = self._tied_embedding
         grad = entry.main_param.grad
         if grad is None:
@@ -440,6 +440,13 @@ class FullyShardedDataParallel(DistributedDataParallel):
                 if not key.startswith("_") and key not in _NOT_COPIED:
                     setattr(entry.main_param, key, value)
             setattr(entry.main_param, ORIGINAL_SHAPE_ATTR, entry.shape)
+
+    def forward(self, *inputs, **kwargs):
+        """The wrapped module's forward. A forward starts new gradients, so the next
+        ``finish_grad_sync`` sums the tied word embedding again (also in loops that never call
+        ``zero_grad_buffer``)."""
+        self._tied_embedding_grad_summed = False
+        return self.module(*inputs, **kwargs)
 
     # ------------------------------------------------------------------ parameters
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):

@@ -422,7 +422,7 @@ def save_checkpoint(path: "str | os.PathLike", model, optimizer=None) -> None:
     [Note: committing a checkpoint directory]). A failure raises on every rank."""
     model = _sharded_module(model)
     path = os.fspath(path)
-    group = model._fsdp_engine.comm.group
+    group = _checkpoint_group(model)
     leader = dist.get_rank(group) == 0
     _on_leader(group, leader, lambda: checkpoint_commit.recover(path),
                f"save_checkpoint({path!r}): recovering from an earlier save")
@@ -444,6 +444,20 @@ def save_checkpoint(path: "str | os.PathLike", model, optimizer=None) -> None:
         raise
     _on_leader(group, leader, lambda: checkpoint_commit.commit(path),
                f"save_checkpoint({path!r}): committing {tmp!r}")
+
+
+def _checkpoint_group(model):
+    """The ranks that save and load one checkpoint together: the data-parallel group; with hybrid
+    sharding every replica of every shard, which must then be the whole world (replicas write their
+    identical shards once: DCP keeps one writer per chunk)."""
+    engine = model._fsdp_engine
+    if engine.replicas is None:
+        return engine.comm.group
+    if engine.comm.size * engine.replicas.size != dist.get_world_size():
+        raise ValueError(f"save_checkpoint / load_checkpoint: with hybrid sharding the checkpoint is written by "
+                         f"every replica of every shard, which must be the whole world ({dist.get_world_size()} "
+                         f"ranks), got {engine.replicas.size} replicas x {engine.comm.size} shards.")
+    return dist.group.WORLD
 
 
 def _on_leader(group, leader: bool, step, what: str) -> None:
@@ -525,7 +539,7 @@ def load_checkpoint(path: "str | os.PathLike", model, optimizer=None) -> None:
     Nothing is unpickled outside torch's weights-only allow-list. Any failure raises on every rank."""
     model = _sharded_module(model)
     path = os.fspath(path)
-    group = model._fsdp_engine.comm.group
+    group = _checkpoint_group(model)
     what = f"load_checkpoint({path!r})"
     plan, error = None, None
     try:
@@ -561,7 +575,8 @@ def export_full_state_dict(model, path: "str | os.PathLike", rank: int = 0) -> N
     comm = model._fsdp_engine.comm
     if not isinstance(rank, int) or not 0 <= rank < comm.size:
         raise ValueError(f"rank must be a data-parallel rank in [0, {comm.size}), got {rank!r}.")
-    writer = comm.rank == rank
+    replicas = model._fsdp_engine.replicas
+    writer = comm.rank == rank and (replicas is None or replicas.rank == 0)   # hybrid: replica 0 writes
     full: dict = {}
     for group in model._fsdp_engine.groups:
         full_main = group.gather_full_main()
@@ -576,4 +591,4 @@ def export_full_state_dict(model, path: "str | os.PathLike", rank: int = 0) -> N
         tmp = os.fspath(path) + ".tmp"
         torch.save(OrderedDict(sorted(full.items(), key=lambda kv: order.get(kv[0], 1 << 30))), tmp)
         os.replace(tmp, path)
-    dist.barrier(group=comm.group)
+    dist.barrier(group=_checkpoint_group(model))

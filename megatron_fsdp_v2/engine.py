@@ -101,12 +101,14 @@ class Unit:
 class Engine:
     """Holds the units and runs the schedule above through hooks."""
 
-    def __init__(self, root: nn.Module, units: list[Unit], strategy: ShardingStrategy, allocator, comm) -> None:
+    def __init__(self, root: nn.Module, units: list[Unit], strategy: ShardingStrategy, allocator, comm,
+                 replicas=None) -> None:
         self.root = root
         self.units = units
         self.strategy = strategy
         self.allocator = allocator
         self.comm = comm
+        self.replicas = replicas                 # hybrid sharding: the outer group (replicas.py)
         self.groups = [g for u in units for g in u.groups]
         self.phase = PhaseMachine()
         self.requires_gradient_sync = True       # False inside no_sync(): DDP / ZeRO-1 accumulate locally
@@ -321,14 +323,30 @@ class Engine:
 
     def _reduce(self, group: ParamGroup) -> None:
         self.wait_gradient_reduces()
-        pending = group.reduce_grad(self.gradient_divide_factor)
+        pending = group.reduce_grad(self._shard_group_divide_factor)
         if pending is not None:
             self._reduces_in_flight.append((group, pending))
 
     @property
     def gradient_divide_factor(self) -> float:
-        """What reduced gradients are divided by: the data-parallel size (a mean) unless set."""
-        return float(self.comm.size) if self._divide_factor is None else self._divide_factor
+        """What reduced gradients are divided by: the data-parallel size (a mean; with hybrid
+        sharding inner x outer ranks) unless set."""
+        if self._divide_factor is not None:
+            return self._divide_factor
+        return float(self.comm.size * (self.replicas.size if self.replicas is not None else 1))
+
+    @property
+    def _shard_group_divide_factor(self) -> float:
+        """The inner reduce's share of the divisor; the outer all-reduce divides by the outer size."""
+        return self.gradient_divide_factor / (self.replicas.size if self.replicas is not None else 1)
+
+    def _reduce_across_replicas(self) -> None:
+        """Hybrid sharding: average every group's freshly reduced gradients across the replicas
+        (once the inner reduces are waited for; replicas.py, [Note: hybrid sharding])."""
+        if self.replicas is None:
+            return
+        for group in self.groups:
+            group.reduce_across_replicas(self.replicas)
 
     def set_gradient_divide_factor(self, factor: Optional[float]) -> None:
         if factor is not None and not (isinstance(factor, (int, float)) and factor > 0):
@@ -348,6 +366,8 @@ class Engine:
                 if group.has_unreduced_grads:
                     self._reduce(group)
             self.wait_gradient_reduces()
+            if self.requires_gradient_sync:       # under no_sync() the outer all-reduce waits for the last
+                self._reduce_across_replicas()
             self._attach_main_grads()
         if self.strategy.weights_sharded:
             for unit in self.units:
@@ -380,7 +400,8 @@ class Engine:
             raise RuntimeError(
                 "optimizer.step() called while a gradient reduce is still pending; call "
                 "model.wait_gradient_reduction() (or let backward finish) before stepping.")
-        unreduced = [g.name for g in self.groups if g.has_unreduced_grads]
+        unreduced = [g.name for g in self.groups
+                     if g.has_unreduced_grads or (self.replicas is not None and g.awaiting_replica_reduce)]
         if unreduced:
             raise RuntimeError(
                 f"optimizer.step() called with gradients accumulated inside no_sync() but never reduced "
@@ -451,7 +472,7 @@ class Engine:
     def start_gradient_reduction(self) -> None:
         """Issue the reduce of every group holding gradients accumulated under ``no_sync()``."""
         for group in self.groups:        # a group whose reduce is in flight has nothing unreduced
-            pending = group.reduce_grad(self.gradient_divide_factor)
+            pending = group.reduce_grad(self._shard_group_divide_factor)
             if pending is not None:
                 self._reduces_in_flight.append((group, pending))
 
@@ -461,6 +482,7 @@ class Engine:
             raise RuntimeError("wait_gradient_reduction() called during backward; call it after backward returns.")
         self.start_gradient_reduction()
         self.wait_gradient_reduces()
+        self._reduce_across_replicas()
         self._attach_main_grads()
 
     def zero_grads(self) -> None:
@@ -529,8 +551,7 @@ class Engine:
     def _broadcast_buffers(self) -> None:
         """Rank 0's buffers (e.g. BatchNorm running statistics) on every rank, as torch DDP's
         ``broadcast_buffers=True`` does at the start of every training forward."""
-        if self.comm.size == 1:
-            return
         buffers = [b for b in self.root.buffers() if b.numel()]
-        if buffers:
-            self.comm.broadcast(buffers, src_group_rank=0, label="buffers (broadcast_buffers)")
+        for comm in (self.comm, self.replicas):    # inner first, then across replicas: global rank 0's
+            if buffers and comm is not None and comm.size > 1:
+                comm.broadcast(buffers, src_group_rank=0, label="buffers (broadcast_buffers)")

@@ -26,6 +26,7 @@ from .nested import absorb_wrapped_submodules
 from .optimizer_hook import mark_replaced
 from .param_group import ParamGroup
 from .rank_agreement import check_ranks_agree
+from .replicas import split_process_group
 from .row_sharded import mesh_of_group
 from .strategy import ShardingStrategy, get_strategy
 from .meta_init import has_meta_state, initialize_meta_model, replace_meta_parameters
@@ -185,11 +186,19 @@ class FullyShardedModule:
         return self._fsdp_engine.clip_grad_norm_(max_norm, norm_type)
 
     def comm_stats(self) -> dict:
-        """Calls and bytes of each collective since the last ``reset_comm_stats()``."""
-        return self._fsdp_engine.comm.stats.as_dict()
+        """Calls and bytes of each collective over the (shard) group since the last
+        ``reset_comm_stats()``; with hybrid sharding also ``"across_replicas"``: those over the
+        outer group, counted apart."""
+        engine = self._fsdp_engine
+        stats = engine.comm.stats.as_dict()
+        if engine.replicas is not None:
+            stats["across_replicas"] = engine.replicas.stats.as_dict()
+        return stats
 
     def reset_comm_stats(self) -> None:
         self._fsdp_engine.comm.stats.reset()
+        if self._fsdp_engine.replicas is not None:
+            self._fsdp_engine.replicas.stats.reset()
 
     def persistent_bytes(self) -> dict:
         """Bytes this rank keeps between steps (weights, main weights, grads; not optimizer state)."""
@@ -263,6 +272,27 @@ def _check_process_group(process_group) -> None:
         raise ValueError(
             f"process_group: this process (global rank {dist.get_rank()}) is not a member of the group "
             f"(group rank {rank}, allowed 0..{size - 1}).")
+
+
+def _check_hybrid_groups(shards: Communicator, replicas: Communicator) -> None:
+    """Hybrid sharding: every outer (replicate) group must link ranks holding the same shard, i.e.
+    the same inner rank. A rank that finds otherwise in its outer group tells the others through
+    its inner group and then its outer group, so every rank of the data-parallel world raises."""
+    if dist.get_backend(shards.group) == "fake":
+        return
+    device = _group_device(shards)
+    inner_ranks = torch.empty(replicas.size, dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(inner_ranks, torch.tensor([shards.rank], dtype=torch.int64, device=device),
+                                group=replicas.group)
+    bad = torch.tensor([int(len(set(inner_ranks.tolist())) > 1)], dtype=torch.int64, device=device)
+    dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=shards.group)
+    dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=replicas.group)
+    if int(bad):
+        raise ValueError(
+            f"process_group: in an (outer, inner) pair every outer group must link the ranks with the same rank in "
+            f"their inner groups (the same shard); this rank's outer group links inner ranks {inner_ranks.tolist()} "
+            "(or another rank's does). Build the inner groups from consecutive ranks and the outer groups from "
+            "ranks with the same position, e.g. init_device_mesh(device, (replicas, shard_size)).")
 
 
 def _check_params(module: nn.Module) -> torch.device:
@@ -352,7 +382,10 @@ def fully_shard(
     Args:
         sharding_strategy: ``"no_shard"`` (DDP), ``"optim"`` (ZeRO-1), ``"optim_grads"`` (ZeRO-2)
             or ``"optim_grads_params"`` (ZeRO-3).
-        process_group: the data-parallel group (default: the world).
+        process_group: the data-parallel group (default: the world); or, for hybrid sharding
+            (HSDP), an ``(outer, inner)`` pair of groups or a 2-D DeviceMesh ``(replicate, shard)``:
+            shards within ``inner``, gradients averaged across ``outer`` once per step
+            (replicas.py, [Note: hybrid sharding]).
         unit_modules: module classes whose every instance is its own unit (all-gather/reshard and
             gradient-reduction granularity); the rest of the model is the root unit.
         mixed_precision: dtypes of compute weights, main weights, grads and grad collectives.
@@ -397,18 +430,29 @@ def fully_shard(
     if init_fn is not None and not callable(init_fn):
         raise TypeError(f"init_fn must be a callable taking a module, or None, got {type(init_fn).__name__}.")
     alloc = make_allocator(allocator)
-    _check_process_group(process_group)
-    comm = Communicator(process_group)
+    shard_group, replicate_group = split_process_group(process_group)
+    _check_process_group(shard_group)
+    comm = Communicator(shard_group)
+    replicas = None
+    if replicate_group is not None:
+        _check_process_group(replicate_group)
+        replicas = Communicator(replicate_group)
+        _check_hybrid_groups(comm, replicas)
     # Units (and their policies) of earlier fully_shard calls on submodules: their parameters are
     # made whole again here, then sharded with the rest.
     inner_policies = absorb_wrapped_submodules(module, strategy, comm, FullyShardedModule)
+    if inner_policies and replicas is not None:
+        raise ValueError("process_group: nested fully_shard calls with hybrid sharding are not supported; wrap "
+                         "the model once with unit_modules=[...] and the (outer, inner) groups.")
     from_meta = all(p.is_meta for p in module.parameters()) and has_meta_state(module)
     pending = replace_meta_parameters(module, _group_device(comm)) if from_meta else {}
     device = _check_params(module)
     specs = assign_units(module, unit_modules, unit_instances=[m for m, _ in inner_policies])
     policy_of = {id(m): policy for m, policy in inner_policies}
     _check_same_model_on_all_ranks(module, comm, device)
-    check_ranks_agree(comm, device, {
+    if replicas is not None:
+        _check_same_model_on_all_ranks(module, replicas, device)
+    agreed = {
         "sharding_strategy": strategy.name,
         "units": ",".join(spec.fqn or "<root>" for spec in specs),
         "mixed_precision": repr(mixed_precision),
@@ -419,9 +463,14 @@ def fully_shard(
         "check_for_nan_in_grad": str(bool(check_for_nan_in_grad)),
         "built on the meta device": str(from_meta),
         "dtensor_params": str(dtensor_params),
-    })
+    }
+    for group_comm in (comm, replicas):
+        if group_comm is not None:
+            check_ranks_agree(group_comm, device, agreed)
     if not from_meta:        # a meta model is initialized the same on every rank (same RNG state)
-        _sync_module_states(module, comm)
+        _sync_module_states(module, comm)           # inner groups first: each gets its rank 0's ...
+        if replicas is not None:
+            _sync_module_states(module, replicas)   # ... then every replica gets replica 0's: global rank 0's
 
     alignment = default_alignment(device)
     mesh = mesh_of_group(comm.group, device) if dtensor_params and strategy.optim_sharded else None
@@ -469,9 +518,11 @@ def fully_shard(
     module.__class__ = type(f"FullySharded{cls.__name__}", (FullyShardedModule, cls), {})
     module._fsdp_main_params = main_params
     module._fsdp_name_order = name_order
-    module._fsdp_engine = Engine(module, units, strategy, alloc, comm)
+    module._fsdp_engine = Engine(module, units, strategy, alloc, comm, replicas)
     module._fsdp_engine.check_for_nan_in_grad = bool(check_for_nan_in_grad)
     module._fsdp_engine.broadcast_buffers = bool(broadcast_buffers)
     module._fsdp_engine.unused_grads_are_none = unused_param_grads == "none"
     comm.stats.reset()
+    if replicas is not None:
+        replicas.stats.reset()
     return module

@@ -97,6 +97,7 @@ class ParamGroup:
         # wrapping is honoured: see Engine.sync_requires_grad).
         self.trainable = [self.requires_grad] * len(self.params)
         self.has_unreduced_grads = False
+        self.awaiting_replica_reduce = False     # hybrid sharding: reduced here, not yet averaged across replicas
         self.reduced_this_backward = False
         # ZeRO-1 only: after a reduce this rank's region of ``full_grad`` holds the data-parallel
         # *mean* while the other regions are zero. A further backward before the grads are zeroed
@@ -346,8 +347,22 @@ class ParamGroup:
 
         self.reduced_this_backward = True
         self.has_unreduced_grads = False
+        self.awaiting_replica_reduce = True      # hybrid sharding: the outer average is still to come
         self.grads_ready = [False] * len(self.params)
         return PendingCollective(work, on_complete)
+
+    def reduce_across_replicas(self, replicas) -> None:
+        """Hybrid sharding: average the reduced gradients this rank holds (its shard; DDP: all)
+        across the replicas of its shard, if a reduce landed since the last average (replicas.py)."""
+        if not self.awaiting_replica_reduce:
+            return
+        self.awaiting_replica_reduce = False
+        buffer = self.main_grad_buffer()
+        if buffer is None or replicas.size == 1:
+            return
+        replicas.all_reduce(buffer, label=f"grads of {self.name} across replicas")
+        with torch.no_grad():
+            buffer.div_(replicas.size)
 
     def finish_grad_reduce(self, pending: PendingCollective) -> None:
         """Wait for a reduce ``reduce_grad`` issued and store its result."""
@@ -433,6 +448,7 @@ class ParamGroup:
                 if buffer is not None:
                     buffer.zero_()
         self.has_unreduced_grads = False
+        self.awaiting_replica_reduce = False
         self._own_region_holds_mean = False
         self.grads_ready = [False] * len(self.params)
         self.got_grad = [False] * len(self.params)

@@ -8,8 +8,9 @@ setup(
     python_requires=">=3.10",
     install_requires=["torch", "numpy", "packaging"],
     extras_require={
-        # psutil: megatron.core.dist_checkpointing's checkpoint writer (--ckpt-format torch_dist)
-        "megatron": ["megatron-core==0.19.2", "psutil"],
+        # psutil: megatron.core.dist_checkpointing's checkpoint writer (--ckpt-format torch_dist);
+        # einops: parallel_state's groups for --num-distributed-optimizer-instances > 1
+        "megatron": ["megatron-core==0.19.2", "psutil", "einops"],
         "test": ["pytest", "hypothesis"],
         "te": ["transformer-engine"],
         "bench": ["matplotlib"],

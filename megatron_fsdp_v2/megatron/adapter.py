@@ -162,9 +162,6 @@ def _unsupported_settings(config: TransformerConfig, ddp_config: DistributedData
           "fp4_param_gather=True (--fp4-param-gather) is not supported")
     check(bool(getattr(ddp_config, "reuse_grad_buf_for_mxfp8_param_ag", False)),
           "reuse_grad_buf_for_mxfp8_param_ag=True (--reuse-grad-buf-for-mxfp8-param-ag) is not supported")
-    check(ddp_config.num_distributed_optimizer_instances != 1,
-          f"num_distributed_optimizer_instances={ddp_config.num_distributed_optimizer_instances} "
-          "(--num-distributed-optimizer-instances): only 1 is supported")
     check(getattr(ddp_config, "outer_dp_sharding_strategy", "no_shard") != "no_shard",
           f"outer_dp_sharding_strategy={ddp_config.outer_dp_sharding_strategy!r} "
           "(--outer-dp-sharding-strategy): hybrid sharding (HSDP) is not supported")
@@ -260,6 +257,11 @@ class FullyShardedDataParallel(DistributedDataParallel):
         if problems:
             raise ValueError("FullyShardedDataParallel does not support: " + "; ".join(problems) + ".")
         dp_group = self._data_parallel_group(pg_collection)
+        # --num-distributed-optimizer-instances N: hybrid sharding, each instance shards within
+        # its ranks (Megatron's intra group) and the instances average gradients (replicas.py)
+        shard_group, replica_group = dp_group, None
+        if ddp_config.num_distributed_optimizer_instances > 1:
+            shard_group, replica_group = self._optimizer_instance_groups(pg_collection)
         policy = _mixed_precision(config, ddp_config)
         units = self._unit_classes(module, fsdp_unit_modules, disable_bucketing, strategy.weights_sharded)
 
@@ -273,7 +275,8 @@ class FullyShardedDataParallel(DistributedDataParallel):
         # layer initialization, one layer at a time, keeping only shards (meta_init.py).
         meta = any(p.is_meta for p in module.parameters())
         tied_name = self._tied_embedding_name(module, unwrapped)
-        fully_shard(module, sharding_strategy=strategy, process_group=dp_group, unit_modules=units,
+        fully_shard(module, sharding_strategy=strategy, unit_modules=units,
+                    process_group=shard_group if replica_group is None else (replica_group, shard_group),
                     init_fn=megatron_init_fn(config) if meta else None,
                     mixed_precision=policy, check_for_nan_in_grad=bool(ddp_config.check_for_nan_in_grad),
                     # Megatron DDP: buffers are not broadcast, and every main_grad exists (zeros if unused);
@@ -285,9 +288,10 @@ class FullyShardedDataParallel(DistributedDataParallel):
         self.strategy = strategy
         self.mixed_precision = policy
         self.unit_modules = units
-        self.dp_group = dp_group
-        self.dp_cp_group = dp_group
-        self.intra_dp_cp_group = dp_group
+        self.dp_group = shard_group              # what the states are sharded over (rows of each parameter)
+        self.dp_cp_group = dp_group              # every data-parallel rank (with context parallel)
+        self.intra_dp_cp_group = shard_group
+        self.replica_group = replica_group       # across distributed-optimizer instances, or None
         self.tp_group = self._tensor_parallel_group(pg_collection)
         self._check_tensor_parallel_peers_share_the_layout()
         self._tied_embedding = self._tied_embedding_across_stages(tied_name, pg_collection)
@@ -319,7 +323,7 @@ class FullyShardedDataParallel(DistributedDataParallel):
         install_model_checkpointing(unwrapped, self)
         self._annotate_main_params()
         logger.info("megatron_fsdp_v2 FullyShardedDataParallel: strategy=%s dp=%d units=%d policy=%s",
-                    strategy.name, dist.get_world_size(dp_group), len(units or ()) + 1, policy)
+                    strategy.name, dist.get_world_size(shard_group), len(units or ()) + 1, policy)
 
     # ------------------------------------------------------------------ construction helpers
     @staticmethod
@@ -341,6 +345,27 @@ class FullyShardedDataParallel(DistributedDataParallel):
             raise RuntimeError("FullyShardedDataParallel: pass pg_collection or initialise Megatron's "
                                "parallel_state (initialize_model_parallel) first.")
         return ps.get_data_parallel_group(with_context_parallel=True)
+
+    @staticmethod
+    def _optimizer_instance_groups(pg_collection):
+        """(the ranks of this distributed-optimizer instance, the group linking the instances):
+        Megatron's ``intra_dp_cp`` and ``inter_dist_opt`` groups."""
+        if pg_collection is not None:
+            shard, replica = getattr(pg_collection, "intra_dp_cp", None), getattr(pg_collection, "inter_dist_opt", None)
+            if shard is None or replica is None:
+                raise ValueError("pg_collection: with num_distributed_optimizer_instances > 1 the groups "
+                                 "pg_collection.intra_dp_cp and pg_collection.inter_dist_opt are required.")
+            return shard, replica
+        from megatron.core import parallel_state as ps
+
+        return (ps.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True),
+                ps.get_inter_distributed_optimizer_instance_group())
+
+    def checkpoint_replica_ranks(self) -> tuple:
+        """(data-parallel rank, instance rank): the data-parallel element of the replica ids of
+        a replicated value and of a shard (the instances hold the same shards)."""
+        instance = dist.get_rank(self.replica_group) if self.replica_group is not None else 0
+        return dist.get_rank(self.dp_cp_group), instance
 
     @staticmethod
     def _tensor_parallel_group(pg_collection):
@@ -581,8 +606,9 @@ class FullyShardedDataParallel(DistributedDataParallel):
         parameter and buffer under its ``state_dict()`` key as ShardedTensors of this rank's shard
         (dist_checkpoint.py, [Note: our shards as Megatron ShardedTensors]). The unwrapped module
         Megatron-LM's ``save_checkpoint`` asks gives the same. ``metadata`` is accepted and unused."""
-        return model_sharded_state_dict(self._checkpoint_values(), dist.get_rank(self.dp_group), prefix,
-                                        sharded_offsets, self._megatron_layout, self.tensor_parallel_rank())
+        dp_rank, instance = self.checkpoint_replica_ranks()
+        return model_sharded_state_dict(self._checkpoint_values(), dp_rank, prefix, sharded_offsets,
+                                        self._megatron_layout, self.tensor_parallel_rank(), instance)
 
     def tensor_parallel_rank(self) -> int:
         return dist.get_rank(self.tp_group) if self.tp_group is not None else 0

@@ -112,10 +112,12 @@ def _with_data_parallel_replica(replica_id, dp_replica: int):
 
 
 def to_sharded(key: str, value: torch.Tensor, dp_rank: int, placement: Optional[Placement] = None,
-               tp_rank: int = 0):
+               tp_rank: int = 0, shard_replica: int = 0):
     """One value of a core DCP state dict -> what Megatron's ``dist_checkpointing`` saves for it,
     at ``placement`` (default: ``key``, no prepended axes, the whole tensor, replicated over the
-    tensor-parallel group: tensor-parallel rank ``tp_rank`` is a replica)."""
+    tensor-parallel group: tensor-parallel rank ``tp_rank`` is a replica). ``shard_replica``: which
+    copy of this rank's shard it holds (distributed-optimizer instances hold the same shards; 0
+    writes them)."""
     key, lead_offsets, lead_shape, slice_offsets, slice_shape, replica_id = \
         placement or Placement(key, replica_id=(0, tp_rank, 0))
     lead = (1,) * len(lead_shape)   # the prepended axes are part of each piece's shape (size 1 there)
@@ -132,7 +134,7 @@ def to_sharded(key: str, value: torch.Tensor, dp_rank: int, placement: Optional[
             boxes[f"box{i}"] = ShardedTensor(key=key, data=piece, dtype=piece.dtype, local_shape=tuple(piece.shape),
                                              global_shape=lead_shape + whole_shape, global_offset=lead_offsets + offsets,
                                              axis_fragmentations=None,
-                                             replica_id=_with_data_parallel_replica(replica_id, 0))
+                                             replica_id=_with_data_parallel_replica(replica_id, shard_replica))
         return boxes
     if isinstance(value, torch.Tensor):
         data = value.detach().reshape(lead + local_shape)
@@ -261,7 +263,7 @@ def install_model_checkpointing(module: torch.nn.Module, wrapper) -> None:
 
 def model_sharded_state_dict(values: "OrderedDict[str, torch.Tensor]", dp_rank: int, prefix: str = "",
                              sharded_offsets: tuple = (), layout: Optional[MegatronLayout] = None,
-                             tp_rank: int = 0) -> dict:
+                             tp_rank: int = 0, shard_replica: int = 0) -> dict:
     """``sharded_state_dict`` of a model whose core DCP values are ``values`` (keys as
     ``state_dict()`` gives them), at Megatron's own placements where ``layout`` has them, with its
     ``_extra_state`` objects; tied aliases Megatron leaves out are left out too."""
@@ -278,7 +280,7 @@ def model_sharded_state_dict(values: "OrderedDict[str, torch.Tensor]", dp_rank: 
         if placement is not None:
             placed.add(id(value))
             placement = placement._replace(key=prefix + placement.key)
-        out[prefix + key] = to_sharded(prefix + key, value, dp_rank, placement, tp_rank)
+        out[prefix + key] = to_sharded(prefix + key, value, dp_rank, placement, tp_rank, shard_replica)
     out.update((prefix + key, dataclasses.replace(obj, key=prefix + obj.key)) for key, obj in extras.items())
     return _drop_empty(out)
 
@@ -326,7 +328,7 @@ class ShardedOptimizerCheckpoint:
         if is_loading:      # dist_checkpointing.load fills these tensors in place: load_state_dict installs them
             self._fsdp_v2_loading_template = values
         state = _drop_empty({k: to_sharded(f"optimizer.{k}", v, self._fsdp_v2_dp_rank, self._state_placement(k, v),
-                                           self._fsdp_v2_tp_rank)
+                                           self._fsdp_v2_tp_rank, self._fsdp_v2_shard_replica)
                              for k, v in values.items() if k.startswith("state.")})
         groups = {k: v for k, v in values.items() if k.startswith("param_groups.")}
         out = {FORMAT_KEY: FORMAT_VERSION, "state": state, "param_groups": groups, CLASS_KEY: values[CLASS_KEY]}
@@ -420,7 +422,7 @@ def install_optimizer_checkpointing(optimizer, chunks) -> None:
         (chunk,) = mine.values()
         _with_mixin(leaf, ShardedOptimizerCheckpoint)
         leaf._fsdp_v2_model = chunk.module
-        leaf._fsdp_v2_dp_rank = torch.distributed.get_rank(chunk.dp_group)
+        leaf._fsdp_v2_dp_rank, leaf._fsdp_v2_shard_replica = chunk.checkpoint_replica_ranks()
         leaf._fsdp_v2_tp_rank = chunk.tensor_parallel_rank()
         leaf._fsdp_v2_slices = chunk.tensor_parallel_slices()
 

@@ -32,8 +32,8 @@ ADAPTER = PACKAGE / "megatron"
 # which dist_checkpoint.safe_dcp_reading replaces while it loads; ``_local_tensor``: the name
 # Megatron's finalize_model_grads reads on gradients, which the adapter sets on its plain ones).
 _NOT_CORE = {"_replace", "_asdict", "_fields", "_fsdp_v2_model", "_fsdp_v2_dp_rank", "_fsdp_v2_tp_rank",
-             "_fsdp_v2_slices", "_fsdp_v2_format", "_fsdp_v2_chunk_count", "_get_filesystem_reader",
-             "_local_tensor"}
+             "_fsdp_v2_slices", "_fsdp_v2_format", "_fsdp_v2_chunk_count", "_fsdp_v2_shard_replica",
+             "_get_filesystem_reader", "_local_tensor"}
 
 
 def _underscore_reads(path: pathlib.Path) -> list[str]:

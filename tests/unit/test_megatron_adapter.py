@@ -204,7 +204,8 @@ def _error_cases(world_size):
     out["grad_accum_fusion"] = _expect_error(
         lambda: _build("optim", config_overrides=dict(gradient_accumulation_fusion=True)))
     out["fp8_param_gather"] = _expect_error(lambda: _build("optim_grads_params", fp8_param_gather=True))
-    out["two_optimizer_instances"] = _expect_error(lambda: _build("optim", num_distributed_optimizer_instances=2))
+    out["outer_sharding"] = _expect_error(lambda: _build("optim", num_distributed_optimizer_instances=2,
+                                                         outer_dp_sharding_strategy="optim"))
 
     tp_group = dist.new_group(list(range(world_size)))   # a real 2-rank "tensor-parallel" group
     own_group = [dist.new_group([r]) for r in range(world_size)][dist.get_rank()]
@@ -513,7 +514,7 @@ def test_errors_name_the_setting(two_ranks):
     assert errors["model_parallel"] == []        # TP, PP, CP and sequence parallel are accepted
     assert "gradient_accumulation_fusion" in errors["grad_accum_fusion"]
     assert "fp8_param_gather" in errors["fp8_param_gather"]
-    assert "num_distributed_optimizer_instances=2" in errors["two_optimizer_instances"]
+    assert "outer_dp_sharding_strategy='optim'" in errors["outer_sharding"]
     assert "fp16" in errors["sgd_fp16"] and errors["sgd_fp16"].startswith("ValueError")
     assert errors == two_ranks[1]["errors"]
 

@@ -425,3 +425,68 @@ def test_launcher_accepts_tensor_and_pipeline_parallel_flags():
     flags = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--sequence-parallel"]
     for parsed in run_distributed(launcher_worker, 4, flags, 2, 2, 1, timeout=900):
         assert parsed == (2, 2, True, 1, True, 1)
+
+
+# ---------------------------------------------------------------- distributed-optimizer instances (hybrid)
+def instances_worker(rank, world, root, strategies):
+    """2 distributed-optimizer instances x 2 ranks: ours (hybrid sharding) against Megatron DDP
+    over all 4 data-parallel ranks (same math: the mean over every rank), then a dist checkpoint of
+    ours saved with 2 instances and loaded into one instance of 4 ranks."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    from megatron_fsdp_v2.megatron import (FullyShardedDataParallel, get_optimizer, load_dist_checkpoint,
+                                           save_dist_checkpoint)
+    from tests.megatron_cpu import init_megatron_parallel_state, patch_megatron_for_cpu, train_reference
+    from tests.state_gather import full_optimizer_state
+
+    with patch_megatron_for_cpu():
+        init_megatron_parallel_state(world)       # the reference: Megatron DDP over all 4 ranks, one instance
+        batches, seq = _layout_batches(1)
+        model, config = _model(1, 1, False)
+        ref = train_reference(model, config, batches, NMB, ITERS, LR, optimizer="megatron_adam", clip_grad=CLIP,
+                              weight_decay=WD, adam_eps=ADAM_EPS, seq_length=seq)
+        out = {"megatron_ddp": (ref.losses, ref.grad_norms, ref.state_dict)}
+        init_megatron_parallel_state(world, num_distributed_optimizer_instances=2)
+        for strategy in strategies:
+            model, config = _model(1, 1, False)
+            ddp_config = DistributedDataParallelConfig(data_parallel_sharding_strategy=strategy,
+                                                       num_distributed_optimizer_instances=2)
+            wrapped = FullyShardedDataParallel(config, ddp_config, model)
+            optimizer = get_optimizer(_optimizer_config(), [wrapped])
+            from tests.megatron_cpu import constant_param_scheduler
+
+            constant_param_scheduler(optimizer, LR, WD)
+            losses, norms = _pipeline_train([wrapped], config, optimizer, batches)
+            out[strategy] = (losses, norms, wrapped.state_dict())
+            out[("sizes", strategy)] = (wrapped.dp_group.size(), wrapped.replica_group.size())
+        save_dist_checkpoint(f"{root}/instances", wrapped, optimizer)
+        saved = (wrapped.state_dict(), full_optimizer_state(wrapped, optimizer, wrapped.dp_group))
+        # the instances hold the same shards: only instance 0's boxes are main replicas
+        box_replicas = {box.replica_id[-1] for value in wrapped.sharded_state_dict().values()
+                        if isinstance(value, dict) for box in value.values()}
+        out[("boxes", "replica")] = (wrapped.checkpoint_replica_ranks()[1], box_replicas)
+        init_megatron_parallel_state(world)
+        model, config = _model(1, 1, False)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+        flat = FullyShardedDataParallel(config, DistributedDataParallelConfig(data_parallel_sharding_strategy="optim"),
+                                        model)
+        flat_optimizer = get_optimizer(_optimizer_config(), [flat])
+        load_dist_checkpoint(f"{root}/instances", flat, flat_optimizer)
+        loaded = (flat.state_dict(), full_optimizer_state(flat, flat_optimizer, flat.dp_group))
+        return out, saved, loaded
+
+
+def test_distributed_optimizer_instances_match_megatron_ddp_and_checkpoint(tmp_path):
+    results = run_distributed(instances_worker, 4, str(tmp_path), STRATEGIES, timeout=900)
+    for rank, (out, saved, loaded) in enumerate(results):
+        for strategy in STRATEGIES:
+            assert out.pop(("sizes", strategy)) == (2, 2), (rank, strategy)
+        instance, box_replicas = out.pop(("boxes", "replica"))
+        assert box_replicas == {instance}, (rank, instance, box_replicas)
+        _assert_parity([out], ("instances", rank))
+        for got, want in zip(loaded, saved):
+            assert sorted(got) == sorted(want)
+            for key, value in want.items():
+                assert torch.equal(got[key], value), (rank, key)

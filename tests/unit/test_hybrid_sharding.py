@@ -7,7 +7,7 @@ CPU gloo at 4 ranks (2 replicas x 2 shards) and 8 ranks (2 x 4), every strategy 
   of this rank's reduced gradients per group and step (the shard's bytes; DDP: all of them), also
   when ZeRO-2/3 reduce-scatter every micro-batch;
 * a second synchronized backward before ``step()`` stays exact (averaging replicated gradients
-  again changes nothing);
+  again changes nothing; at 2x2);
 * an optimizer step with gradients still to be averaged across replicas is refused;
 * outer groups that do not link equal inner ranks are refused on every rank.
 """
@@ -82,6 +82,8 @@ def parity_worker(rank, world, shard_size, use_mesh):
         grad_groups = [g for g in model._fsdp_engine.groups if g.requires_grad]
         shard_bytes = sum(g.main_grad_buffer().numel() * g.main_grad_buffer().element_size() for g in grad_groups)
         out[strategy] = (model.full_state_dict(), stats, len(grad_groups), shard_bytes)
+    if use_mesh or world > 4:            # the second-backward schedule once (2x2 groups) keeps CI short
+        return want, out, None
     torch.manual_seed(0)
     reference = DistributedDataParallel(UnevenNet())
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
@@ -107,8 +109,9 @@ def test_hybrid_sharding_matches_ddp_over_the_world(world, shard_size, use_mesh)
             what = (world, shard_size, rank, strategy)
             for name, value in want.items():
                 torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6, msg=f"{what} {name}")
-                torch.testing.assert_close(twice[strategy][name], twice["want"][name], rtol=1e-5, atol=1e-6,
-                                           msg=f"{what} twice {name}")
+                if twice is not None:
+                    torch.testing.assert_close(twice[strategy][name], twice["want"][name], rtol=1e-5, atol=1e-6,
+                                               msg=f"{what} twice {name}")
             across = stats["across_replicas"]
             assert across["all_reduce"] == {"count": STEPS * grad_groups, "bytes": STEPS * shard_bytes}, what
             assert across["total_bytes"] == STEPS * shard_bytes, what

@@ -159,11 +159,12 @@ def test_hybrid_sharding_refuses_unaveraged_steps_and_crossed_groups():
 
 
 def checkpoint_worker(rank, world, root, save, layout, strategy):
-    """Save after 2 steps (or load) with ``save_checkpoint`` at ``layout``: "2x2" (hybrid) or "flat"."""
+    """Save after 2 steps (or load) with ``save_checkpoint`` at ``layout``: "<replicas>x<shards>"
+    (hybrid) or "flat"."""
     from megatron_fsdp_v2 import load_checkpoint, save_checkpoint
     from tests.state_gather import full_optimizer_state
 
-    groups = _hybrid_groups(world, 2) if layout == "2x2" else None
+    groups = _hybrid_groups(world, int(layout.split("x")[1])) if "x" in layout else None
     torch.manual_seed(0 if save else 5)
     model = fully_shard(UnevenNet(), sharding_strategy=strategy, unit_modules=[Block], process_group=groups)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
@@ -177,11 +178,13 @@ def checkpoint_worker(rank, world, root, save, layout, strategy):
 
 
 def test_hybrid_checkpoints_load_flat_and_hybrid(tmp_path):
-    """Saved at 2 replicas x 2 shards (ZeRO-3), loaded at 4 flat ranks (ZeRO-2) and at 2 x 2 (ZeRO-1),
-    bitwise on weights and optimizer state (replicas write their identical shards once)."""
+    """Saved at 2 replicas x 2 shards (ZeRO-3), loaded at 4 flat ranks (ZeRO-2), at 2 x 2 (ZeRO-1),
+    at 4 x 1 and 1 x 4 (ZeRO-3) and on 1 rank (DDP), bitwise on weights and optimizer state (replicas write their
+    identical shards once)."""
     saved = run_distributed(checkpoint_worker, 4, str(tmp_path), True, "2x2", "optim_grads_params")
-    for layout, strategy in (("flat", "optim_grads"), ("2x2", "optim")):
-        loaded = run_distributed(checkpoint_worker, 4, str(tmp_path), False, layout, strategy)
+    for world, layout, strategy in ((4, "flat", "optim_grads"), (4, "2x2", "optim"), (4, "4x1", "optim_grads_params"),
+                                    (4, "1x4", "optim_grads_params"), (1, "flat", "no_shard")):
+        loaded = run_distributed(checkpoint_worker, world, str(tmp_path), False, layout, strategy)
         for rank, (weights, optimizer) in enumerate(loaded):
             for name, want in saved[0][0].items():
                 assert torch.equal(weights[name], want), (layout, rank, name)

@@ -67,10 +67,12 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from ..fully_shard import fully_shard
 from .meta_init import megatron_init_fn
+from .model_parallel import (TiedEmbeddingGradSum, check_tensor_parallel_peers_share_the_layout, data_parallel_group,
+                             expose_grads_to_finalize_model_grads, optimizer_instance_groups, tensor_parallel_group,
+                             tied_embedding_name)
 from .dist_checkpoint import (install_model_checkpointing, megatron_layout, model_sharded_state_dict,
                               model_values_from_loaded)
 from ..mixed_precision import MixedPrecisionPolicy
-from ..row_sharded import gather_rows
 from ..strategy import STRATEGY_NAMES, get_strategy
 
 logger = logging.getLogger(__name__)
@@ -256,12 +258,12 @@ class FullyShardedDataParallel(DistributedDataParallel):
         problems = _unsupported_settings(config, ddp_config, module, _parallel_sizes(pg_collection))
         if problems:
             raise ValueError("FullyShardedDataParallel does not support: " + "; ".join(problems) + ".")
-        dp_group = self._data_parallel_group(pg_collection)
+        dp_group = data_parallel_group(pg_collection)
         # --num-distributed-optimizer-instances N: hybrid sharding, each instance shards within
         # its ranks (Megatron's intra group) and the instances average gradients (replicas.py)
         shard_group, replica_group = dp_group, None
         if ddp_config.num_distributed_optimizer_instances > 1:
-            shard_group, replica_group = self._optimizer_instance_groups(pg_collection)
+            shard_group, replica_group = optimizer_instance_groups(pg_collection)
         policy = _mixed_precision(config, ddp_config)
         units = self._unit_classes(module, fsdp_unit_modules, disable_bucketing, strategy.weights_sharded)
 
@@ -274,7 +276,7 @@ class FullyShardedDataParallel(DistributedDataParallel):
         # A model built under torch.device("meta") (--init-model-with-meta-device): Megatron's own
         # layer initialization, one layer at a time, keeping only shards (meta_init.py).
         meta = any(p.is_meta for p in module.parameters())
-        tied_name = self._tied_embedding_name(module, unwrapped)
+        tied_name = tied_embedding_name(module, unwrapped)
         fully_shard(module, sharding_strategy=strategy, unit_modules=units,
                     process_group=shard_group if replica_group is None else (replica_group, shard_group),
                     init_fn=megatron_init_fn(config) if meta else None,
@@ -292,10 +294,10 @@ class FullyShardedDataParallel(DistributedDataParallel):
         self.dp_cp_group = dp_group              # every data-parallel rank (with context parallel)
         self.intra_dp_cp_group = shard_group
         self.replica_group = replica_group       # across distributed-optimizer instances, or None
-        self.tp_group = self._tensor_parallel_group(pg_collection)
-        self._check_tensor_parallel_peers_share_the_layout()
-        self._tied_embedding = self._tied_embedding_across_stages(tied_name, pg_collection)
-        self._tied_embedding_grad_summed = False
+        self.tp_group = tensor_parallel_group(pg_collection)
+        check_tensor_parallel_peers_share_the_layout(module.sharded_parameters(), self.tp_group)
+        self._tied_embedding = TiedEmbeddingGradSum.across_stages(tied_name, pg_collection,
+                                                                  module.sharded_parameters(), shard_group)
         self.pg_collection = pg_collection
         # Megatron DDP bookkeeping that training.py / the optimizer may iterate: always empty here.
         self.bucket_size = None
@@ -326,54 +328,11 @@ class FullyShardedDataParallel(DistributedDataParallel):
                     strategy.name, dist.get_world_size(shard_group), len(units or ()) + 1, policy)
 
     # ------------------------------------------------------------------ construction helpers
-    @staticmethod
-    def _data_parallel_group(pg_collection):
-        """The group gradients are reduced and states sharded over: Megatron DDP's (data parallel
-        with context parallel, ``intra_dp_cp_group`` with one optimizer instance): context-parallel
-        ranks hold different tokens of the same samples, so their gradients add up like data
-        parallel ones (Megatron DDP scales them by 1 / (dp * cp), as the core's mean over this
-        group does). Tensor-parallel peers hold different slices and are never reduced together."""
-        if pg_collection is not None:
-            group = getattr(pg_collection, "dp_cp", None) or getattr(pg_collection, "dp", None)
-            if group is None:
-                raise ValueError("pg_collection: the data-parallel group (pg_collection.dp_cp, or pg_collection.dp "
-                                 "without context parallelism) is required.")
-            return group
-        from megatron.core import parallel_state as ps
-
-        if not ps.model_parallel_is_initialized():
-            raise RuntimeError("FullyShardedDataParallel: pass pg_collection or initialise Megatron's "
-                               "parallel_state (initialize_model_parallel) first.")
-        return ps.get_data_parallel_group(with_context_parallel=True)
-
-    @staticmethod
-    def _optimizer_instance_groups(pg_collection):
-        """(the ranks of this distributed-optimizer instance, the group linking the instances):
-        Megatron's ``intra_dp_cp`` and ``inter_dist_opt`` groups."""
-        if pg_collection is not None:
-            shard, replica = getattr(pg_collection, "intra_dp_cp", None), getattr(pg_collection, "inter_dist_opt", None)
-            if shard is None or replica is None:
-                raise ValueError("pg_collection: with num_distributed_optimizer_instances > 1 the groups "
-                                 "pg_collection.intra_dp_cp and pg_collection.inter_dist_opt are required.")
-            return shard, replica
-        from megatron.core import parallel_state as ps
-
-        return (ps.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True),
-                ps.get_inter_distributed_optimizer_instance_group())
-
     def checkpoint_replica_ranks(self) -> tuple:
         """(data-parallel rank, instance rank): the data-parallel element of the replica ids of
         a replicated value and of a shard (the instances hold the same shards)."""
         instance = dist.get_rank(self.replica_group) if self.replica_group is not None else 0
         return dist.get_rank(self.dp_cp_group), instance
-
-    @staticmethod
-    def _tensor_parallel_group(pg_collection):
-        if pg_collection is not None:
-            return getattr(pg_collection, "tp", None)
-        from megatron.core import parallel_state as ps
-
-        return ps.get_tensor_model_parallel_group()
 
     @staticmethod
     def _unit_classes(module, fsdp_unit_modules, disable_bucketing, weights_sharded):
@@ -383,80 +342,6 @@ class FullyShardedDataParallel(DistributedDataParallel):
             return None
         present = [cls for cls in _default_unit_classes() if any(isinstance(m, cls) for m in module.modules())]
         return present or None
-
-    @staticmethod
-    def _tied_embedding_name(module: nn.Module, unwrapped: nn.Module) -> Optional[str]:
-        """The name (in ``module``) of the word embedding this pipeline stage shares with another:
-        the first stage's input embedding or the last stage's output layer of a model with
-        ``share_embeddings_and_output_weights``; None when this chunk holds neither."""
-        if not getattr(unwrapped, "share_embeddings_and_output_weights", False):
-            return None
-        if not (getattr(unwrapped, "pre_process", False) or getattr(unwrapped, "post_process", False)):
-            return None
-        weight = unwrapped.shared_embedding_or_output_weight()
-        return next((name for name, p in module.named_parameters() if p is weight), None)
-
-    def _tied_embedding_across_stages(self, name: Optional[str], pg_collection):
-        """(the tied weight's record, Megatron's embedding group) when this rank's copy of the word
-        embedding has a twin on another pipeline stage, else None (see ``_all_reduce_tied_embedding_grad``)."""
-        if name is None:
-            return None
-        if pg_collection is not None:
-            group = getattr(pg_collection, "embd", None)
-        else:
-            from megatron.core import parallel_state as ps
-
-            group = ps.get_embedding_group(check_initialized=False)
-        if group is None or dist.get_world_size(group) == 1 or dist.get_rank() not in dist.get_process_group_ranks(group):
-            return None
-        entry = next(e for e in self.module.sharded_parameters() if e.name == name)
-        return entry, group
-
-    def _all_reduce_tied_embedding_grad(self) -> None:
-        """With pipeline parallelism the first stage's word embedding and the last stage's output
-        layer are one weight held twice; their gradients must be summed over Megatron's embedding
-        group after the data-parallel reduce, as Megatron DDP's ``finalize_model_grads`` does.
-        Megatron's own all-reduce reads the module's weight's ``.grad``, which this wrapper never
-        fills (gradients live in its buffers), and skips a None gradient without a word: left to
-        it, the two copies would drift apart. The stages lay out different parameter sets, so their
-        rows of this weight differ: each gathers the whole gradient over the data-parallel group,
-        sums it over the embedding group and keeps its rows."""
-        if self._tied_embedding is None or self._tied_embedding_grad_summed:
-            return
-        self._tied_embedding_grad_summed = True        # once per step: a forward or zero_grad_buffer resets it
-        entry, group = self._tied_embedding
-        grad = entry.main_param.grad
-        if grad is None:
-            raise RuntimeError(f"{entry.name}: the tied word embedding has no gradient to sum over the pipeline "
-                               "stages (FullyShardedDataParallel gives every parameter one).")
-        if entry.row_splits is None:
-            dist.all_reduce(grad, group=group)
-            return
-        full = gather_rows(grad, entry.row_splits, self.dp_group)
-        dist.all_reduce(full, group=group)
-        rank = dist.get_rank(self.dp_group)
-        grad.copy_(full[entry.row_splits[rank]:entry.row_splits[rank + 1]])
-
-    def _check_tensor_parallel_peers_share_the_layout(self) -> None:
-        """Megatron's ``finalize_model_grads`` all-reduces the gradients of sequence-parallel
-        layer norms (and q/k layer norms) over the tensor-parallel group *elementwise on what this
-        wrapper holds*: this rank's rows of each. That is right only when tensor-parallel peers cut
-        every parameter at the same rows, i.e. hold parameters of the same shapes in the same order
-        (the layout is a function of the shapes). Megatron's tensor-parallel layers split evenly,
-        so this holds; a model that splits unevenly is refused here rather than averaged wrongly."""
-        group = self.tp_group
-        if group is None or dist.get_world_size(group) == 1:
-            return
-        mine = [(entry.name, tuple(entry.shape)) for entry in self.module.sharded_parameters()]
-        everyone = [None] * dist.get_world_size(group)
-        dist.all_gather_object(everyone, mine, group=group)
-        first = everyone[0]           # every rank words the error alike: each peer against peer 0
-        differing = [(i, [a for a, b in zip(theirs, first) if a != b][:3] or f"{len(theirs)} vs {len(first)} parameters")
-                     for i, theirs in enumerate(everyone) if theirs != first]
-        if differing:
-            raise ValueError(f"module: tensor-parallel peers hold parameters of different shapes (peer: its first "
-                             f"(name, shape) differing from peer 0's: {differing}); FullyShardedDataParallel needs "
-                             "every tensor-parallel rank to hold the same parameter shapes in the same order.")
 
     def _annotate_main_params(self) -> None:
         """Give each main parameter the original parameter's Megatron attributes and shape."""
@@ -470,8 +355,12 @@ class FullyShardedDataParallel(DistributedDataParallel):
         """The wrapped module's forward. A forward starts new gradients, so the next
         ``finish_grad_sync`` sums the tied word embedding again (also in loops that never call
         ``zero_grad_buffer``)."""
-        self._tied_embedding_grad_summed = False
+        self._rearm_tied_embedding_sum()
         return self.module(*inputs, **kwargs)
+
+    def _rearm_tied_embedding_sum(self) -> None:
+        if self._tied_embedding is not None:
+            self._tied_embedding.rearm()
 
     # ------------------------------------------------------------------ parameters
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
@@ -502,20 +391,9 @@ class FullyShardedDataParallel(DistributedDataParallel):
         params' ``.grad``. ``force_all_reduce`` (Megatron: keep full grads for dumping them) is
         ignored: the sharded strategies only ever hold their shard of the gradients."""
         self.module.wait_gradient_reduction()
-        self._all_reduce_tied_embedding_grad()
-        self._expose_grads_to_finalize_model_grads()
-
-    def _expose_grads_to_finalize_model_grads(self) -> None:
-        """After this returns, Megatron's ``finalize_model_grads`` all-reduces the gradients of
-        sequence-parallel and q/k layer norms over the tensor-parallel group, reading them from
-        ``named_parameters()`` as ``param.grad._local_tensor`` (megatron-core 0.19.2 takes that
-        branch whenever ``ddp_config.use_megatron_fsdp``, expecting Megatron-FSDP's DTensors).
-        Ours are plain tensors (this rank's rows), which are their own local tensor: each carries
-        itself under that name, so the all-reduce writes into the gradient in place."""
-        for param in self.parameters():
-            grad = param.grad
-            if grad is not None and getattr(grad, "_local_tensor", None) is not grad:
-                grad._local_tensor = grad
+        if self._tied_embedding is not None:
+            self._tied_embedding.sum_once()
+        expose_grads_to_finalize_model_grads(self.parameters())
 
     def scale_gradients(self, scaling_factor: float) -> None:
         """Multiply the reduced gradients (Megatron calls it after ``finish_grad_sync``; with
@@ -526,7 +404,7 @@ class FullyShardedDataParallel(DistributedDataParallel):
     def zero_grad_buffer(self) -> None:
         """Zero the gradients and keep every ``main_grad``/``.grad`` tensor (Megatron DDP's contract)."""
         self.module.zero_grad(set_to_none=False)
-        self._tied_embedding_grad_summed = False
+        self._rearm_tied_embedding_sum()
 
     # ------------------------------------------------------------------ weight sync
     def start_param_sync(self, *unused, force_sync: bool = False, force_dispatch: bool = False) -> None:

@@ -37,6 +37,8 @@ from .dcp_format import FlatRangeShard
 from .row_sharded import RowShardedTensor, local_piece
 from .safe_reader import SafeFileSystemReader, TensorsOnlyLoadPlanner, UnsafeCheckpointError
 
+from .experts import expert_names_refusal
+
 __all__ = ["export_full_state_dict", "load_checkpoint", "load_optimizer_state_dict", "optimizer_state_dict",
            "save_checkpoint"]
 
@@ -421,6 +423,8 @@ def save_checkpoint(path: "str | os.PathLike", model, optimizer=None) -> None:
     A crash at any point leaves the newest complete checkpoint loadable (checkpoint_commit.py,
     [Note: committing a checkpoint directory]). A failure raises on every rank."""
     model = _sharded_module(model)
+    if model._fsdp_engine.experts is not None:
+        raise expert_names_refusal("save_checkpoint")
     path = os.fspath(path)
     group = _checkpoint_group(model)
     leader = dist.get_rank(group) == 0
@@ -538,6 +542,8 @@ def load_checkpoint(path: "str | os.PathLike", model, optimizer=None) -> None:
     every file it reads (``CheckpointCorruptError`` naming the file and the rank that found it).
     Nothing is unpickled outside torch's weights-only allow-list. Any failure raises on every rank."""
     model = _sharded_module(model)
+    if model._fsdp_engine.experts is not None:
+        raise expert_names_refusal("load_checkpoint")
     path = os.fspath(path)
     group = _checkpoint_group(model)
     what = f"load_checkpoint({path!r})"

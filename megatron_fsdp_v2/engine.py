@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 from torch.autograd import Variable
 
+from .experts import clip_norm_terms
 from .optimizer_hook import watch_optimizer_steps
 from .param_group import ParamGroup, PendingCollective
 from .phase import Phase, PhaseMachine
@@ -102,13 +103,14 @@ class Engine:
     """Holds the units and runs the schedule above through hooks."""
 
     def __init__(self, root: nn.Module, units: list[Unit], strategy: ShardingStrategy, allocator, comm,
-                 replicas=None) -> None:
+                 replicas=None, experts=None) -> None:
         self.root = root
         self.units = units
         self.strategy = strategy
         self.allocator = allocator
         self.comm = comm
         self.replicas = replicas                 # hybrid sharding: the outer group (replicas.py)
+        self.experts = experts                   # expert parameters' group, or None (experts.py)
         self.groups = [g for u in units for g in u.groups]
         self.phase = PhaseMachine()
         self.requires_gradient_sync = True       # False inside no_sync(): DDP / ZeRO-1 accumulate locally
@@ -409,27 +411,24 @@ class Engine:
                 "model.reduce_gradients() first.")
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip main grads by the global norm over all ranks' shards (fp32, one scalar all-reduce)."""
+        """Clip main grads by the global norm over all ranks' shards (fp32, one scalar all-reduce;
+        with expert groups one more: experts.py, [Note: expert parameters])."""
         norm_type = float(norm_type)
-        grads = [local_piece(m.grad) for g in self.groups for m in g.main_params
-                 if m.grad is not None and local_piece(m.grad).numel()]
-        device = self.groups[0].device
-        if norm_type == float("inf"):
-            local = max((gr.detach().abs().max().float() for gr in grads), default=torch.zeros((), device=device))
-            total = local.clone().to(device)
-            if self.strategy.optim_sharded:
-                self.comm.all_reduce(total, op=torch.distributed.ReduceOp.MAX, label="grad norm")
-        else:
-            local = torch.zeros((), dtype=torch.float32, device=device)
-            for gr in grads:
-                local += gr.detach().float().norm(norm_type) ** norm_type
-            total = local
-            if self.strategy.optim_sharded:          # shards are disjoint: sum them; DDP grads are replicated
-                self.comm.all_reduce(total, label="grad norm")
+        inf = norm_type == float("inf")
+        total = clip_norm_terms(self, [g for g in self.groups if g.comm is self.comm], self.comm, norm_type)
+        if self.experts is not None:
+            experts = clip_norm_terms(self, [g for g in self.groups if g.comm is self.experts], self.experts, norm_type)
+            self.comm.all_reduce(experts, op=torch.distributed.ReduceOp.MAX if inf else torch.distributed.ReduceOp.SUM,
+                                 label="grad norm (experts across expert-parallel peers)")
+            total = torch.maximum(total, experts) if inf else total + experts / self.experts.size
+        if not inf:
             total = total ** (1.0 / norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for gr in grads:
-            gr.detach().mul_(coef.to(gr.dtype))
+        for group in self.groups:
+            for main in group.main_params:
+                grad = local_piece(main.grad)
+                if grad is not None and grad.numel():
+                    grad.detach().mul_(coef.to(grad.dtype))
         return total
 
     def scale_gradients(self, factor: float) -> None:

@@ -26,6 +26,7 @@ from .nested import absorb_wrapped_submodules
 from .optimizer_hook import mark_replaced
 from .param_group import ParamGroup
 from .rank_agreement import check_ranks_agree
+from .experts import check_expert_arguments, check_expert_group_inside, expert_names_refusal, expert_param_ids
 from .replicas import split_process_group
 from .row_sharded import mesh_of_group
 from .strategy import ShardingStrategy, get_strategy
@@ -157,8 +158,10 @@ class FullyShardedModule:
         engine = self._fsdp_engine
         with torch.no_grad():
             if not engine.strategy.optim_sharded:
-                engine.comm.broadcast([m for g in engine.groups for m in g.main_params], src_rank,
-                                      label="parameters (broadcast_parameters)")
+                for group_comm in (engine.comm, engine.experts):
+                    params = [m for g in engine.groups if g.comm is group_comm for m in g.main_params]
+                    if params:
+                        group_comm.broadcast(params, src_rank, label="parameters (broadcast_parameters)")
                 engine.mark_main_weights_changed()
                 engine.refresh_weights(wait=True)
             buffers = [b for b in self.buffers() if b.numel()]
@@ -188,17 +191,20 @@ class FullyShardedModule:
     def comm_stats(self) -> dict:
         """Calls and bytes of each collective over the (shard) group since the last
         ``reset_comm_stats()``; with hybrid sharding also ``"across_replicas"``: those over the
-        outer group, counted apart."""
+        outer group, counted apart; with expert parameters ``"experts"``: those over their group."""
         engine = self._fsdp_engine
         stats = engine.comm.stats.as_dict()
         if engine.replicas is not None:
             stats["across_replicas"] = engine.replicas.stats.as_dict()
+        if engine.experts is not None:
+            stats["experts"] = engine.experts.stats.as_dict()
         return stats
 
     def reset_comm_stats(self) -> None:
-        self._fsdp_engine.comm.stats.reset()
-        if self._fsdp_engine.replicas is not None:
-            self._fsdp_engine.replicas.stats.reset()
+        engine = self._fsdp_engine
+        for group_comm in (engine.comm, engine.replicas, engine.experts):
+            if group_comm is not None:
+                group_comm.stats.reset()
 
     def persistent_bytes(self) -> dict:
         """Bytes this rank keeps between steps (weights, main weights, grads; not optimizer state)."""
@@ -237,6 +243,8 @@ class FullyShardedModule:
         if args:
             raise TypeError(f"state_dict takes destination, prefix and keep_vars by keyword only, got {len(args)} "
                             f"positional argument(s).")
+        if self._fsdp_engine.experts is not None:
+            raise expert_names_refusal("state_dict")
         values = model_state_dict(self, prefix=prefix, keep_vars=keep_vars)
         if destination is None:
             return values
@@ -325,13 +333,16 @@ def _check_same_model_on_all_ranks(module: nn.Module, comm: Communicator, device
             f"disagrees with ranks {differing}. Every rank must build the same model before fully_shard.")
 
 
-def _sync_module_states(module: nn.Module, comm: Communicator) -> None:
+def _sync_module_states(module: nn.Module, comm: Communicator, skip: frozenset = frozenset(),
+                        only: Optional[set] = None) -> None:
     """Every rank starts from rank 0's parameters and buffers, as torch DDP's constructor does:
     replicas that began apart would otherwise drift apart (``no_shard``) or be stitched together
-    from pieces of different ranks' models (the sharded strategies)."""
+    from pieces of different ranks' models (the sharded strategies). ``only``: just these
+    parameters (by id; no buffers); ``skip``: all but these."""
     if comm.size == 1 or dist.get_backend(comm.group) == "fake":
         return
-    tensors = [p.detach() for p in module.parameters()] + [b for b in module.buffers() if b.numel()]
+    params = [p.detach() for p in module.parameters() if id(p) not in skip and (only is None or id(p) in only)]
+    tensors = params + ([b for b in module.buffers() if b.numel()] if only is None else [])
     comm.broadcast(tensors, src_group_rank=0, label="rank 0's parameters and buffers at wrap time")
 
 
@@ -376,6 +387,8 @@ def fully_shard(
     unused_param_grads: str = "none",
     dtensor_params: bool = True,
     init_fn: Optional[Callable[[nn.Module], None]] = None,
+    expert_process_group: Optional[dist.ProcessGroup] = None,
+    expert_params: Optional[Callable[[str, nn.Parameter], bool]] = None,
 ) -> nn.Module:
     """Shard ``module`` over ``process_group`` with a Megatron sharding strategy; returns it.
 
@@ -407,6 +420,10 @@ def fully_shard(
         init_fn: for a module built on the meta device: called on every submodule (children before
             their parent) instead of its ``reset_parameters()`` (meta_init.py, [Note: initializing
             from meta]); ignored for a module whose parameters exist.
+        expert_process_group: mixture-of-experts: the expert-data-parallel group (the ranks holding
+            the same experts); the parameters ``expert_params(name, param)`` selects are sharded and
+            reduced over it, the rest over ``process_group`` (experts.py, [Note: expert parameters]).
+        expert_params: which parameters are experts (given with ``expert_process_group``).
 
     A module built on the meta device (``with torch.device("meta"):``) is materialized on the
     process group's device one initializer at a time, each rank keeping only its shards: see
@@ -431,8 +448,14 @@ def fully_shard(
         raise TypeError(f"init_fn must be a callable taking a module, or None, got {type(init_fn).__name__}.")
     alloc = make_allocator(allocator)
     shard_group, replicate_group = split_process_group(process_group)
+    check_expert_arguments(expert_process_group, expert_params, replicate_group is not None)
     _check_process_group(shard_group)
     comm = Communicator(shard_group)
+    expert_comm = None
+    if expert_process_group is not None:
+        _check_process_group(expert_process_group)
+        expert_comm = Communicator(expert_process_group)
+        check_expert_group_inside(expert_comm, comm)
     replicas = None
     if replicate_group is not None:
         _check_process_group(replicate_group)
@@ -445,6 +468,12 @@ def fully_shard(
         raise ValueError("process_group: nested fully_shard calls with hybrid sharding are not supported; wrap "
                          "the model once with unit_modules=[...] and the (outer, inner) groups.")
     from_meta = all(p.is_meta for p in module.parameters()) and has_meta_state(module)
+    experts = expert_param_ids(module, expert_params)
+    if experts and (from_meta or inner_policies):
+        raise ValueError("expert_process_group: expert parameters are supported on a model whose parameters exist "
+                         "and that no earlier fully_shard call wrapped parts of; "
+                         + ("this one is on the meta device (every expert-parallel rank would initialize its "
+                            "experts alike)." if from_meta else "wrap the model once with unit_modules=[...]."))
     pending = replace_meta_parameters(module, _group_device(comm)) if from_meta else {}
     device = _check_params(module)
     specs = assign_units(module, unit_modules, unit_instances=[m for m, _ in inner_policies])
@@ -463,32 +492,38 @@ def fully_shard(
         "check_for_nan_in_grad": str(bool(check_for_nan_in_grad)),
         "built on the meta device": str(from_meta),
         "dtensor_params": str(dtensor_params),
+        "expert parameters": ",".join(n for n, p in module.named_parameters() if id(p) in experts),
     }
-    for group_comm in (comm, replicas):
+    for group_comm in (comm, replicas, expert_comm):
         if group_comm is not None:
             check_ranks_agree(group_comm, device, agreed)
     if not from_meta:        # a meta model is initialized the same on every rank (same RNG state)
-        _sync_module_states(module, comm)           # inner groups first: each gets its rank 0's ...
+        _sync_module_states(module, comm, skip=experts)   # inner groups first: each gets its rank 0's ...
         if replicas is not None:
             _sync_module_states(module, replicas)   # ... then every replica gets replica 0's: global rank 0's
+        if expert_comm is not None:                 # expert-parallel peers keep their own experts
+            _sync_module_states(module, expert_comm, only=experts)
 
     alignment = default_alignment(device)
     mesh = mesh_of_group(comm.group, device) if dtensor_params and strategy.optim_sharded else None
+    expert_mesh = (mesh_of_group(expert_comm.group, device)
+                   if expert_comm is not None and dtensor_params and strategy.optim_sharded else None)
     units: list[Unit] = []
     for unit_index, spec in enumerate(specs):
         policy = policy_of.get(id(spec.module), mixed_precision)
         full_precision = full_precision_param_ids(spec.module, policy)
         buckets: "OrderedDict[tuple, list]" = OrderedDict()
         for first_name, names, param in spec.params:
-            key = (param.dtype, param.requires_grad, id(param) in full_precision)
+            key = (param.dtype, param.requires_grad, id(param) in full_precision, id(param) in experts)
             buckets.setdefault(key, []).append((first_name, names, param))
         groups = []
-        for (dtype, requires_grad, keep_precision), entries in buckets.items():
+        for (dtype, requires_grad, keep_precision, expert), entries in buckets.items():
             tag = (f"{spec.fqn or '<root>'}/{str(dtype).replace('torch.', '')}/{'grad' if requires_grad else 'frozen'}"
-                   f"{'/full_precision' if keep_precision else ''}")
-            group = ParamGroup(tag, [e[2] for e in entries], [e[0] for e in entries], strategy, comm,
+                   f"{'/full_precision' if keep_precision else ''}{'/experts' if expert else ''}")
+            group = ParamGroup(tag, [e[2] for e in entries], [e[0] for e in entries], strategy,
+                               expert_comm if expert else comm,
                                resolve_dtypes(dtype, policy, requires_grad, keep_precision), alloc, device,
-                               alignment, mesh)
+                               alignment, expert_mesh if expert else mesh)
             group.all_names = [e[1] for e in entries]
             group.param_dtype = dtype
             groups.append(group)
@@ -518,11 +553,11 @@ def fully_shard(
     module.__class__ = type(f"FullySharded{cls.__name__}", (FullyShardedModule, cls), {})
     module._fsdp_main_params = main_params
     module._fsdp_name_order = name_order
-    module._fsdp_engine = Engine(module, units, strategy, alloc, comm, replicas)
+    module._fsdp_engine = Engine(module, units, strategy, alloc, comm, replicas, expert_comm)
     module._fsdp_engine.check_for_nan_in_grad = bool(check_for_nan_in_grad)
     module._fsdp_engine.broadcast_buffers = bool(broadcast_buffers)
     module._fsdp_engine.unused_grads_are_none = unused_param_grads == "none"
-    comm.stats.reset()
-    if replicas is not None:
-        replicas.stats.reset()
+    for group_comm in (comm, replicas, expert_comm):
+        if group_comm is not None:
+            group_comm.stats.reset()
     return module

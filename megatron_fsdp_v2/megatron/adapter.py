@@ -65,6 +65,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.distributed.data_parallel_base import _BaseDataParallel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from ..checkpoint import model_state_dict
 from ..fully_shard import fully_shard
 from .meta_init import megatron_init_fn
 from .model_parallel import (TiedEmbeddingGradSum, check_tensor_parallel_peers_share_the_layout, data_parallel_group,
@@ -477,7 +478,7 @@ class FullyShardedDataParallel(DistributedDataParallel):
         """The core's DCP state dict (this rank's shards) under ``state_dict()``'s keys."""
         cut = len(self._ckpt_prefix)
         return OrderedDict((key[cut:] if key.startswith(self._ckpt_prefix) else key, value)
-                           for key, value in self.module.state_dict().items())
+                           for key, value in model_state_dict(self.module).items())
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
         """Megatron's distributed-checkpoint dict (``dist_checkpointing.save`` / ``load``): every

@@ -261,7 +261,54 @@ _MODULES_WITH_CPU_TORCH = {
     "megatron.core.dist_checkpointing.strategies.filesystem_async": "checkpoint writer sync",
     # save_state_dict_async_finalize: the all-ranks failure flag is a tensor on 'cuda'
     "megatron.core.dist_checkpointing.strategies.state_dict_saver": "checkpoint failure flag",
+    # MoEAlltoAllTokenDispatcher: a class-level torch.cuda.Stream() for device-to-host copies
+    "megatron.core.transformer.moe.token_dispatcher": "MoE dispatcher side stream",
+    # TopKRouter.gating: moves CPU weights to torch.cuda.current_device() at every forward
+    "megatron.core.transformer.moe.router": "MoE router weights",
 }
+
+
+def _gloo_uneven_gather(original):
+    """``mappings._gather_along_first_dim`` with uneven ``output_split_sizes`` (MoE token dispatch
+    under tensor parallelism) pads every piece to the largest and gathers evenly: gloo's
+    ``all_gather`` refuses pieces of different sizes, NCCL's takes them."""
+    @functools.wraps(original)
+    def gather(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return original(input_, group, output_split_sizes, use_global_buffer)
+        most = max(output_split_sizes)
+        padded = input_.new_zeros((most, *input_.shape[1:]))
+        padded[:input_.shape[0]] = input_
+        out = input_.new_empty((most * group.size(), *input_.shape[1:]))
+        dist.all_gather_into_tensor(out, padded, group=group)
+        return torch.cat([out[r * most:r * most + n] for r, n in enumerate(output_split_sizes)])
+    return gather
+
+
+def _gloo_uneven_reduce_scatter(original):
+    """``mappings._reduce_scatter_along_first_dim`` with uneven ``input_split_sizes``: pads every
+    piece to the largest and reduce-scatters evenly (gloo has no list reduce-scatter)."""
+    @functools.wraps(original)
+    def reduce_scatter(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1:
+            return original(input_, group, input_split_sizes, use_global_buffer)
+        most = max(input_split_sizes)
+        padded = input_.new_zeros((most * group.size(), *input_.shape[1:]))
+        for r, piece in enumerate(torch.split(input_, input_split_sizes, dim=0)):
+            padded[r * most:r * most + piece.shape[0]] = piece
+        out = input_.new_empty((most, *input_.shape[1:]))
+        dist.reduce_scatter_tensor(out, padded, group=group)
+        return out[:input_split_sizes[group.rank()]].contiguous()
+    return reduce_scatter
+
+
+def _cpu_maybe_move_tensor_to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """``moe_utils.maybe_move_tensor_to_cpu`` as the token dispatcher sees it: a CUDA tensor comes
+    back as numpy when asked; on CPU the original returns the tensor itself, whose split sizes
+    gloo's ``all_to_all_single`` refuses (it takes a list of ints)."""
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.numpy()
+    return tensor
 
 
 @contextlib.contextmanager
@@ -284,6 +331,10 @@ def patch_megatron_for_cpu(*extra_modules: str):
          (``torch.cuda.synchronize``, a failure flag on 'cuda') becomes a
          shim mapping ``device="cuda"`` factories and
          ``torch.cuda.current_device()/current_stream()/stream()`` to CPU / no-ops.
+      6. MoE (alltoall dispatcher): ``token_dispatcher.maybe_move_tensor_to_cpu`` gives numpy split
+         sizes for CPU tensors too (gloo's all-to-all takes lists of ints); the uneven first-dimension
+         gather / reduce-scatter of ``tensor_parallel.mappings`` (tokens under TP) pad to the largest
+         piece (gloo takes only even ones).
       5. ``LanguageModule.setup_embeddings_and_output_layer`` (pipeline stages sharing the word
          embedding: ``weight.data.cuda()`` before the all-reduce) runs with that move a no-op.
       4. ``clip_grad_by_total_norm_fp32`` (asserts ``grad.type() == 'torch.cuda.FloatTensor'``)
@@ -313,6 +364,14 @@ def patch_megatron_for_cpu(*extra_modules: str):
 
         p.setattr(LanguageModule, "setup_embeddings_and_output_layer",
                   _cpu_embedding_sync(LanguageModule.setup_embeddings_and_output_layer))
+        import megatron.core.transformer.moe.token_dispatcher as mdispatch
+
+        p.setattr(mdispatch, "maybe_move_tensor_to_cpu", _cpu_maybe_move_tensor_to_cpu)
+        import megatron.core.tensor_parallel.mappings as mmappings
+
+        p.setattr(mmappings, "_gather_along_first_dim", _gloo_uneven_gather(mmappings._gather_along_first_dim))
+        p.setattr(mmappings, "_reduce_scatter_along_first_dim",
+                  _gloo_uneven_reduce_scatter(mmappings._reduce_scatter_along_first_dim))
         shim = _CpuTorchModule()
         for modname in (*_MODULES_WITH_CPU_TORCH, *extra_modules):
             mod = importlib.import_module(modname)

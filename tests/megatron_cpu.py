@@ -30,7 +30,7 @@ gradient is the gradient of ``mean_over_dp_ranks(mean_over_microbatches(mean_ove
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Dict, List, NamedTuple, Optional
+from typing import Callable, Any, Dict, List, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -248,6 +248,7 @@ def train_reference(
     seq_length: Optional[int] = None,
     weight_decay: float = 0.0,
     adam_eps: Optional[float] = None,
+    after_step: Optional[Callable[[], None]] = None,
 ) -> TrainResult:
     """Train the replicated unwrapped ``model`` with plain data parallelism as the reference.
 
@@ -355,6 +356,8 @@ def train_reference(
                     p.grad = p.main_grad
             opt.step()
             grad_norms.append(None)
+        if after_step is not None:     # e.g. read Megatron's per-iteration MoE auxiliary-loss tracker
+            after_step()
 
     config.no_sync_func = None
     config.finalize_model_grads_func = None

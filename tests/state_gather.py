@@ -8,10 +8,11 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 
-def full_optimizer_state(model, optimizer, group=None) -> dict:
+def full_optimizer_state(model, optimizer, group=None, group_of=None) -> dict:
     """``{"state.<name>.<key>": full tensor}`` of ``optimizer`` (torch or Megatron) over ``model``
     (fully_shard module or the Megatron adapter): each rank's flat range, summed over ``group``
-    (the ranges are disjoint, so the sum assembles them). Hyperparameters are left out."""
+    (the ranges are disjoint, so the sum assembles them), or over ``group_of(key)`` where that
+    is not None (expert parameters: their expert-data-parallel group). Hyperparameters are left out."""
     from megatron_fsdp_v2.checkpoint import optimizer_state_dict
     from megatron_fsdp_v2.dcp_format import FlatRangeShard
 
@@ -29,7 +30,7 @@ def full_optimizer_state(model, optimizer, group=None) -> dict:
         elif isinstance(value, FlatRangeShard):
             flat = torch.zeros(value.shape.numel(), dtype=value.dtype, device=value.local_flat.device)
             flat[value.flat_start:value.flat_end] = value.local_flat
-            dist.all_reduce(flat, group=group)
+            dist.all_reduce(flat, group=(group_of(key) if group_of is not None else None) or group)
             value = flat.view(value.shape)
         full[key] = value.detach().cpu().clone()
     return full

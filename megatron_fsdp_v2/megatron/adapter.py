@@ -69,8 +69,8 @@ from ..checkpoint import model_state_dict
 from ..fully_shard import fully_shard
 from .meta_init import megatron_init_fn
 from .model_parallel import (TiedEmbeddingGradSum, check_tensor_parallel_peers_share_the_layout, data_parallel_group,
-                             expose_grads_to_finalize_model_grads, optimizer_instance_groups, tensor_parallel_group,
-                             tied_embedding_name)
+                             expert_data_parallel_group, expose_grads_to_finalize_model_grads, is_expert_parameter,
+                             optimizer_instance_groups, tensor_parallel_group, tied_embedding_name)
 from .dist_checkpoint import (install_model_checkpointing, megatron_layout, model_sharded_state_dict,
                               model_values_from_loaded)
 from ..mixed_precision import MixedPrecisionPolicy
@@ -140,16 +140,22 @@ def _unsupported_settings(config: TransformerConfig, ddp_config: DistributedData
             problems.append(text)
 
     # Expert sizes matter only with experts (Megatron defaults the expert tensor-parallel size to
-    # the tensor-parallel size, experts or not).
-    experts = bool(getattr(config, "num_moe_experts", None))
-    for attr, flag, group in (
-        *((("expert_model_parallel_size", "--expert-model-parallel-size", "ep"),
-           ("expert_tensor_parallel_size", "--expert-tensor-parallel-size", "expt_tp")) if experts else ()),
-    ):
-        value = getattr(config, attr, 1) or 1
-        size = max(int(value), sizes.get(group, 1))
-        check(size > 1, f"{attr}={size} ({flag}): data parallelism composes with tensor (and sequence), context "
-                        f"and pipeline parallelism; expert parallel sizes must be 1")
+    # the tensor-parallel size, experts or not): a TP-only layout is never refused for them.
+    experts = any(not getattr(p, "allreduce", True) for p in module.parameters())
+    if experts:
+        tp = int(getattr(config, "tensor_model_parallel_size", 1) or 1)
+        etp = max(int(getattr(config, "expert_tensor_parallel_size", None) or tp), sizes.get("expt_tp", 1))
+        check(etp != tp, f"expert_tensor_parallel_size={etp} (--expert-tensor-parallel-size) with "
+                         f"tensor_model_parallel_size={tp}: expert parameters are sharded over Megatron's expert-data-"
+                         f"parallel group, which must lie inside the data-parallel group; use the same size (Megatron's "
+                         f"default)")
+        check(ddp_config.num_distributed_optimizer_instances > 1,
+              f"num_distributed_optimizer_instances={ddp_config.num_distributed_optimizer_instances} "
+              "(--num-distributed-optimizer-instances) with expert parameters (--num-experts): hybrid sharding of "
+              "experts is not supported")
+        check(any(p.is_meta for p in module.parameters()),
+              "init_model_with_meta_device=True (--init-model-with-meta-device) with expert parameters "
+              "(--num-experts): every expert-parallel rank would initialize its experts alike")
     check(getattr(config, "fp8", None) is not None,
           f"fp8={config.fp8!r} (--fp8-format): FP8 compute weights are not supported")
     check(getattr(config, "fp4", None) is not None,
@@ -278,7 +284,10 @@ class FullyShardedDataParallel(DistributedDataParallel):
         # layer initialization, one layer at a time, keeping only shards (meta_init.py).
         meta = any(p.is_meta for p in module.parameters())
         tied_name = tied_embedding_name(module, unwrapped)
+        has_experts = any(is_expert_parameter(n, p) for n, p in module.named_parameters())
+        expert_group = expert_data_parallel_group(pg_collection) if has_experts else None
         fully_shard(module, sharding_strategy=strategy, unit_modules=units,
+                    expert_process_group=expert_group, expert_params=is_expert_parameter if has_experts else None,
                     process_group=shard_group if replica_group is None else (replica_group, shard_group),
                     init_fn=megatron_init_fn(config) if meta else None,
                     mixed_precision=policy, check_for_nan_in_grad=bool(ddp_config.check_for_nan_in_grad),
@@ -295,6 +304,7 @@ class FullyShardedDataParallel(DistributedDataParallel):
         self.dp_cp_group = dp_group              # every data-parallel rank (with context parallel)
         self.intra_dp_cp_group = shard_group
         self.replica_group = replica_group       # across distributed-optimizer instances, or None
+        self.expt_dp_group = expert_group         # expert parameters' group (None without experts)
         self.tp_group = tensor_parallel_group(pg_collection)
         check_tensor_parallel_peers_share_the_layout(module.sharded_parameters(), self.tp_group)
         self._tied_embedding = TiedEmbeddingGradSum.across_stages(tied_name, pg_collection,
@@ -334,6 +344,15 @@ class FullyShardedDataParallel(DistributedDataParallel):
         a replicated value and of a shard (the instances hold the same shards)."""
         instance = dist.get_rank(self.replica_group) if self.replica_group is not None else 0
         return dist.get_rank(self.dp_cp_group), instance
+
+    def expert_checkpoint_replicas(self) -> tuple:
+        """(core names of the expert parameters, this rank's expert-data-parallel rank): experts are
+        replicated over that group, not the data-parallel one (Megatron's expert replica ids)."""
+        if self.expt_dp_group is None:
+            return frozenset(), 0
+        names = frozenset(e.name for e in self.module.sharded_parameters()
+                          if is_expert_parameter(e.name, e.module_param))
+        return names, dist.get_rank(self.expt_dp_group)
 
     @staticmethod
     def _unit_classes(module, fsdp_unit_modules, disable_bucketing, weights_sharded):
@@ -486,8 +505,12 @@ class FullyShardedDataParallel(DistributedDataParallel):
         (dist_checkpoint.py, [Note: our shards as Megatron ShardedTensors]). The unwrapped module
         Megatron-LM's ``save_checkpoint`` asks gives the same. ``metadata`` is accepted and unused."""
         dp_rank, instance = self.checkpoint_replica_ranks()
+        expert_names, expert_dp_rank = self.expert_checkpoint_replicas()
+        cut = len(self._ckpt_prefix)
+        expert_keys = frozenset(n[cut:] if n.startswith(self._ckpt_prefix) else n for n in expert_names)
         return model_sharded_state_dict(self._checkpoint_values(), dp_rank, prefix, sharded_offsets,
-                                        self._megatron_layout, self.tensor_parallel_rank(), instance)
+                                        self._megatron_layout, self.tensor_parallel_rank(), instance,
+                                        expert_keys, expert_dp_rank)
 
     def tensor_parallel_rank(self) -> int:
         return dist.get_rank(self.tp_group) if self.tp_group is not None else 0

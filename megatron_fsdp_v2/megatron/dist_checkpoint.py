@@ -263,10 +263,13 @@ def install_model_checkpointing(module: torch.nn.Module, wrapper) -> None:
 
 def model_sharded_state_dict(values: "OrderedDict[str, torch.Tensor]", dp_rank: int, prefix: str = "",
                              sharded_offsets: tuple = (), layout: Optional[MegatronLayout] = None,
-                             tp_rank: int = 0, shard_replica: int = 0) -> dict:
+                             tp_rank: int = 0, shard_replica: int = 0, expert_keys: frozenset = frozenset(),
+                             expert_dp_rank: int = 0) -> dict:
     """``sharded_state_dict`` of a model whose core DCP values are ``values`` (keys as
     ``state_dict()`` gives them), at Megatron's own placements where ``layout`` has them, with its
-    ``_extra_state`` objects; tied aliases Megatron leaves out are left out too."""
+    ``_extra_state`` objects; tied aliases Megatron leaves out are left out too. Values under
+    ``expert_keys`` are replicated over the expert-data-parallel group, where this rank is
+    ``expert_dp_rank`` (Megatron's expert replica ids: ``(pp, tp, expert dp rank)``)."""
     if sharded_offsets:
         raise ValueError(f"sharded_state_dict: FullyShardedDataParallel takes every offset (pipeline stages and "
                          f"virtual chunks included) from the module's own sharded_state_dict; pass "
@@ -280,7 +283,8 @@ def model_sharded_state_dict(values: "OrderedDict[str, torch.Tensor]", dp_rank: 
         if placement is not None:
             placed.add(id(value))
             placement = placement._replace(key=prefix + placement.key)
-        out[prefix + key] = to_sharded(prefix + key, value, dp_rank, placement, tp_rank, shard_replica)
+        rank = expert_dp_rank if key in expert_keys else dp_rank
+        out[prefix + key] = to_sharded(prefix + key, value, rank, placement, tp_rank, shard_replica)
     out.update((prefix + key, dataclasses.replace(obj, key=prefix + obj.key)) for key, obj in extras.items())
     return _drop_empty(out)
 
@@ -327,7 +331,7 @@ class ShardedOptimizerCheckpoint:
         values = optimizer_state_dict(self._fsdp_v2_model, self.optimizer)
         if is_loading:      # dist_checkpointing.load fills these tensors in place: load_state_dict installs them
             self._fsdp_v2_loading_template = values
-        state = _drop_empty({k: to_sharded(f"optimizer.{k}", v, self._fsdp_v2_dp_rank, self._state_placement(k, v),
+        state = _drop_empty({k: to_sharded(f"optimizer.{k}", v, self._replica_rank(k), self._state_placement(k, v),
                                            self._fsdp_v2_tp_rank, self._fsdp_v2_shard_replica)
                              for k, v in values.items() if k.startswith("state.")})
         groups = {k: v for k, v in values.items() if k.startswith("param_groups.")}
@@ -335,6 +339,13 @@ class ShardedOptimizerCheckpoint:
         if getattr(self, "grad_scaler", None) is not None:
             out["grad_scaler"] = self.grad_scaler.state_dict()
         return out
+
+    def _replica_rank(self, key: str) -> int:
+        """The data-parallel element of a replicated value's replica id: the expert-data-parallel
+        rank for an expert parameter's state (``state.<param name>.<state key>``), else the
+        data-parallel rank."""
+        name = key[len("state."):].rsplit(".", 1)[0]
+        return self._fsdp_v2_expert_dp_rank if name in self._fsdp_v2_expert_names else self._fsdp_v2_dp_rank
 
     def _state_placement(self, key: str, value) -> Optional[Placement]:
         """Where optimizer state ``key`` (``state.<param name>.<state key>``) lives in the checkpoint:
@@ -423,6 +434,7 @@ def install_optimizer_checkpointing(optimizer, chunks) -> None:
         _with_mixin(leaf, ShardedOptimizerCheckpoint)
         leaf._fsdp_v2_model = chunk.module
         leaf._fsdp_v2_dp_rank, leaf._fsdp_v2_shard_replica = chunk.checkpoint_replica_ranks()
+        leaf._fsdp_v2_expert_names, leaf._fsdp_v2_expert_dp_rank = chunk.expert_checkpoint_replicas()
         leaf._fsdp_v2_tp_rank = chunk.tensor_parallel_rank()
         leaf._fsdp_v2_slices = chunk.tensor_parallel_slices()
 

@@ -50,6 +50,27 @@ def optimizer_instance_groups(pg_collection):
             ps.get_inter_distributed_optimizer_instance_group())
 
 
+def expert_data_parallel_group(pg_collection):
+    """The ranks holding the same experts (Megatron's expert-data-parallel group,
+    ``pg_collection.expt_dp``): expert parameters (``allreduce=False``) are sharded and reduced over
+    it, as Megatron DDP's ``expert_parallel_buffers`` are (experts.py in the core)."""
+    if pg_collection is not None:
+        group = getattr(pg_collection, "expt_dp", None)
+        if group is None:
+            raise ValueError("pg_collection: with expert parameters the expert-data-parallel group "
+                             "(pg_collection.expt_dp) is required.")
+        return group
+    from megatron.core import parallel_state as ps
+
+    return ps.get_expert_data_parallel_group()
+
+
+def is_expert_parameter(name: str, param: nn.Parameter) -> bool:
+    """Megatron's marker of an expert-parallel parameter (``allreduce=False``, set by its MoE
+    experts; the router and shared experts are dense)."""
+    return not getattr(param, "allreduce", True)
+
+
 def tensor_parallel_group(pg_collection):
     if pg_collection is not None:
         return getattr(pg_collection, "tp", None)

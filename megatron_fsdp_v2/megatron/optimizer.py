@@ -23,7 +23,8 @@ are pieces:
 3. **The grad-norm group.** Gradient norms (clipping, logging) are summed over
    ``grad_stats_parallel_group``. Sharded strategies: each rank holds a disjoint shard, so the sum
    runs over the data-parallel group; ``no_shard``: grads are replicated, so it runs over the
-   model-parallel group only (summing replicas would make the norm sqrt(dp) too large).
+   model-parallel group only (summing replicas would make the norm sqrt(dp) too large); with
+   experts, over the whole instance, each replicated gradient counted on one rank of its group.
 
 4. **Checkpoints.** Each leaf optimizer gets ``ShardedOptimizerCheckpoint`` (dist_checkpoint.py):
    ``sharded_state_dict`` / ``load_state_dict`` for Megatron's ``dist_checkpointing``
@@ -43,6 +44,7 @@ import functools
 from typing import Dict, List, Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from megatron.core.optimizer import (
@@ -55,6 +57,7 @@ from megatron.core.optimizer.optimizer_config import ParamWithNamePredicate
 
 from .adapter import ORIGINAL_SHAPE_ATTR, FullyShardedDataParallel
 from .dist_checkpoint import install_optimizer_checkpointing
+from .model_parallel import is_expert_parameter
 
 
 def _stand_in(param: torch.Tensor) -> torch.Tensor:
@@ -95,6 +98,23 @@ def _distributed_optimizer_instance_group(pg_collection):
     from megatron.core import parallel_state as ps
 
     return ps.get_intra_distributed_optimizer_instance_group()
+
+
+def _count_replicated_grads_once(leaf, chunk) -> None:
+    """``no_shard`` with experts: grads are replicated over the data-parallel group (dense) or the
+    expert-data-parallel group (experts), and expert-parallel peers hold different experts, so no
+    one group sums the norm right. The norm is summed over the whole instance instead, each
+    replicated gradient counted on one rank of its group (data-parallel rank 0, expert-data-
+    parallel rank 0); Megatron's own filter still drops tensor-parallel duplicates."""
+    dense_rank = dist.get_rank(chunk.dp_cp_group)
+    expert_rank = dist.get_rank(chunk.expt_dp_group)
+    original = leaf._filter_grads_for_norm
+
+    def filter_grads_for_norm(params, param_filter=None):
+        mine = [p for p in params if (expert_rank if is_expert_parameter("", p) else dense_rank) == 0]
+        return original(mine, param_filter=param_filter)
+
+    leaf._filter_grads_for_norm = filter_grads_for_norm
 
 
 def _leaf_optimizers(optimizer) -> List:
@@ -165,5 +185,10 @@ def get_optimizer(
         group = _distributed_optimizer_instance_group(pg_collection)
         for leaf in _leaf_optimizers(optimizer):
             leaf.grad_stats_parallel_group = group
+    elif any(chunk.expt_dp_group is not None for chunk in chunks):
+        group = _distributed_optimizer_instance_group(pg_collection)
+        for leaf in _leaf_optimizers(optimizer):
+            leaf.grad_stats_parallel_group = group
+            _count_replicated_grads_once(leaf, chunks[0])
     install_optimizer_checkpointing(optimizer, chunks)
     return optimizer

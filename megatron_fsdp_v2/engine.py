@@ -381,6 +381,7 @@ class Engine:
     def _attach_main_grads(self) -> None:
         for group in self.groups:
             group.attach_main_grads(none_if_unused=self.unused_grads_are_none)
+            group.hand_grads_to_optimizer()
         self.main_grads_attached = True
         if self.check_for_nan_in_grad:
             self._check_grads_finite()

@@ -389,6 +389,7 @@ def fully_shard(
     init_fn: Optional[Callable[[nn.Module], None]] = None,
     expert_process_group: Optional[dist.ProcessGroup] = None,
     expert_params: Optional[Callable[[str, nn.Parameter], bool]] = None,
+    persistent_grads: bool = False,
 ) -> nn.Module:
     """Shard ``module`` over ``process_group`` with a Megatron sharding strategy; returns it.
 
@@ -424,6 +425,11 @@ def fully_shard(
             the same experts); the parameters ``expert_params(name, param)`` selects are sharded and
             reduced over it, the rest over ``process_group`` (experts.py, [Note: expert parameters]).
         expert_params: which parameters are experts (given with ``expert_process_group``).
+        persistent_grads: ``False`` (FSDP2's behaviour): the reduced-gradient buffers live as long as
+            the optimizer's ``.grad`` views of them, so ``zero_grad(set_to_none=True)`` frees them and
+            the next backward allocates them again as late as possible; ``True``: kept between
+            steps (Megatron DDP's ``main_grad``) (param_group.py, [Note: gradient buffers live as
+            long as .grad]).
 
     A module built on the meta device (``with torch.device("meta"):``) is materialized on the
     process group's device one initializer at a time, each rank keeping only its shards: see
@@ -444,6 +450,8 @@ def fully_shard(
         raise ValueError(f"unused_param_grads must be 'none' or 'zeros', got {unused_param_grads!r}.")
     if not isinstance(dtensor_params, bool):
         raise TypeError(f"dtensor_params must be True or False, got {dtensor_params!r}.")
+    if not isinstance(persistent_grads, bool):
+        raise TypeError(f"persistent_grads must be True or False, got {persistent_grads!r}.")
     if init_fn is not None and not callable(init_fn):
         raise TypeError(f"init_fn must be a callable taking a module, or None, got {type(init_fn).__name__}.")
     alloc = make_allocator(allocator)
@@ -492,6 +500,7 @@ def fully_shard(
         "check_for_nan_in_grad": str(bool(check_for_nan_in_grad)),
         "built on the meta device": str(from_meta),
         "dtensor_params": str(dtensor_params),
+        "persistent_grads": str(persistent_grads),
         "expert parameters": ",".join(n for n, p in module.named_parameters() if id(p) in experts),
     }
     for group_comm in (comm, replicas, expert_comm):
@@ -525,6 +534,7 @@ def fully_shard(
                                resolve_dtypes(dtype, policy, requires_grad, keep_precision), alloc, device,
                                alignment, expert_mesh if expert else mesh)
             group.all_names = [e[1] for e in entries]
+            group.persistent_grads = persistent_grads
             group.param_dtype = dtype
             groups.append(group)
             for first_name, _, param in entries:

@@ -7,9 +7,20 @@ A group owns, per ``strategy.py``'s table:
 * ``model_weights``: the full-size compute-dtype buffer forward and backward read. Persistent,
   or (``weights_sharded``) a temporary from the allocator that lives only around a unit's use.
   When nothing is sharded and dtypes agree, it *is* ``main_shard`` (no second copy).
-* grads: a persistent full-size ``full_grad`` (``grads_sharded`` False) or a persistent
-  ``grad_shard`` plus a temporary full-size buffer from the allocator that lives from the unit's
-  first gradient to the end of its reduce-scatter.
+* grads: a full-size ``full_grad`` (``grads_sharded`` False) or a ``grad_shard`` plus a
+  temporary full-size buffer from the allocator that lives from the unit's first gradient to the
+  end of its reduce-scatter. With ``persistent_grads`` (Megatron's ``main_grad``) the group keeps
+  them; otherwise, once the reduced gradients are attached as the optimizer's ``.grad``, those
+  views alone hold the buffer ([Note: gradient buffers live as long as .grad]).
+
+[Note: gradient buffers live as long as .grad]
+FSDP2 frees a parameter's gradient when ``optimizer.zero_grad(set_to_none=True)`` drops it, so the
+activation peak of the next forward finds no gradient memory. Here the group keeps only a weak
+reference to its gradient buffer after attaching the ``.grad`` views: when the optimizer drops
+every view the buffer is freed, and the next backward allocates a zeroed one as late as possible
+(ZeRO-2/3: when the group's first reduce-scatter lands; DDP/ZeRO-1: at its first gradient). A
+``.grad`` the user keeps, ``set_to_none=False`` or a further backward before ``step()`` keeps the
+buffer alive and everything accumulates as before.
 
 The engine (``engine.py``) decides *when* to call ``unshard`` / ``reshard`` / ``reduce_grad``;
 this file decides *how*, from the table's booleans.
@@ -17,6 +28,7 @@ this file decides *how*, from the table's booleans.
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
@@ -107,6 +119,11 @@ class ParamGroup:
         self._own_region_holds_mean = False
         self._stash_key = (name, "reduced_grad_stash")
         self._stash: Optional[torch.Tensor] = None
+        # The gradient buffer (full_grad or grad_shard): held strongly, or (persistent_grads False,
+        # after attach_main_grads) only weakly, through the optimizer's .grad views.
+        self.persistent_grads = True
+        self._grads_held: Optional[torch.Tensor] = None
+        self._grads_weak: Optional[weakref.ref] = None
         self._init_buffers()
 
     # ------------------------------------------------------------------ construction
@@ -140,12 +157,40 @@ class ParamGroup:
         self.main_locals: list[torch.Tensor] = []
         self.main_params = [self._make_main_param(i) for i in range(len(self.params))]
         if self.requires_grad:
-            grad_numel = self.layout.shard_numel if self.strategy.grads_sharded else total
-            persistent = torch.zeros(grad_numel, dtype=dt.grad, device=self.device)
-            self.full_grad = None if self.strategy.grads_sharded else persistent
-            self.grad_shard = persistent if self.strategy.grads_sharded else None
-        else:
-            self.full_grad = self.grad_shard = None
+            self._ensure_grads()
+
+    # ------------------------------------------------------------------ the gradient buffer
+    @property
+    def full_grad(self) -> Optional[torch.Tensor]:
+        """DDP / ZeRO-1: the full-size gradient buffer (None while released, or frozen)."""
+        return None if self.strategy.grads_sharded else self._live_grads()
+
+    @property
+    def grad_shard(self) -> Optional[torch.Tensor]:
+        """ZeRO-2/3: this rank's reduced-gradient shard (None while released, or frozen)."""
+        return self._live_grads() if self.strategy.grads_sharded else None
+
+    def _live_grads(self) -> Optional[torch.Tensor]:
+        if self._grads_held is not None:
+            return self._grads_held
+        return self._grads_weak() if self._grads_weak is not None else None
+
+    def _ensure_grads(self) -> torch.Tensor:
+        """The gradient buffer, held strongly again; a zeroed one if it was freed."""
+        buffer = self._live_grads()
+        if buffer is None:
+            numel = self.layout.shard_numel if self.strategy.grads_sharded else self.layout.total_numel
+            buffer = torch.zeros(numel, dtype=self.dtypes.grad, device=self.device)
+            self._own_region_holds_mean = False
+        self._grads_held, self._grads_weak = buffer, None
+        return buffer
+
+    def hand_grads_to_optimizer(self) -> None:
+        """Without ``persistent_grads``: from now on only the ``.grad`` views hold the buffer
+        ([Note: gradient buffers live as long as .grad])."""
+        if self.persistent_grads or self._grads_held is None:
+            return
+        self._grads_weak, self._grads_held = weakref.ref(self._grads_held), None
 
     def _main_view(self, buffer: torch.Tensor, index: int) -> torch.Tensor:
         """``index``'s piece of a buffer laid out like ``main_shard``: this rank's rows
@@ -275,7 +320,7 @@ class ParamGroup:
                 self._temp_grad = buffer
             full = self._temp_grad
         else:
-            full = self.full_grad
+            full = self._ensure_grads()
             if self._own_region_holds_mean:
                 start, end = self.layout.shard_range(self.comm.rank)
                 stash = self.allocator.allocate(self._stash_key, end - start, full.dtype, self.device)
@@ -329,7 +374,8 @@ class ParamGroup:
                 with torch.no_grad():
                     release_input()
                     if self.strategy.grads_sharded:
-                        self.grad_shard.add_(shard_out.to(self.grad_shard.dtype), alpha=1.0 / divide_factor)
+                        shard = self._ensure_grads()
+                        shard.add_(shard_out.to(shard.dtype), alpha=1.0 / divide_factor)
                     else:
                         # Other ranks' regions hold this rank's unreduced sums, which nobody reads;
                         # zero them so an optimizer that zeroes only its own .grad views
@@ -472,9 +518,11 @@ class ParamGroup:
 
     def gather_full_grad(self) -> Optional[torch.Tensor]:
         """The whole reduced-gradient buffer on every rank (None for a frozen group)."""
-        buffer = self.main_grad_buffer()
-        if buffer is None:
+        if not self.requires_grad:
             return None
+        buffer = self._ensure_grads()       # every rank joins the gather, also one whose buffer was freed
+        if self.strategy.optim_sharded and not self.strategy.grads_sharded:
+            buffer = buffer[self.shard_start:self.shard_end]
         if not self.strategy.optim_sharded:
             return buffer.detach().clone()
         full = torch.empty(self.layout.total_numel, dtype=buffer.dtype, device=self.device)

@@ -28,6 +28,9 @@ and no ZeRO-3: one root unit)                      buckets for the other strateg
                                                    locally and are reduced in ``finish_grad_sync``
                                                    (Megatron installs ``no_sync`` only with overlap)
 ``check_for_nan_in_grad``                          ``check_for_nan_in_grad``
+experts (``allreduce=False``; ``--num-experts``,   ``expert_process_group``: Megatron's expert-data-
+``--expert-model-parallel-size``)                  parallel group (``expt_dp``); divided like dense
+                                                   grads (1 / dp size), as Megatron DDP does
 ``calculate_per_token_loss``                       grads are DP means; ``scale_gradients`` (called
                                                    by ``finalize_model_grads`` with 1/tokens)
                                                    multiplies by the DP size to give Megatron's sums
@@ -141,7 +144,7 @@ def _unsupported_settings(config: TransformerConfig, ddp_config: DistributedData
 
     # Expert sizes matter only with experts (Megatron defaults the expert tensor-parallel size to
     # the tensor-parallel size, experts or not): a TP-only layout is never refused for them.
-    experts = any(not getattr(p, "allreduce", True) for p in module.parameters())
+    experts = bool(getattr(config, "num_moe_experts", None))
     if experts:
         tp = int(getattr(config, "tensor_model_parallel_size", 1) or 1)
         etp = max(int(getattr(config, "expert_tensor_parallel_size", None) or tp), sizes.get("expt_tp", 1))
@@ -153,7 +156,7 @@ def _unsupported_settings(config: TransformerConfig, ddp_config: DistributedData
               f"num_distributed_optimizer_instances={ddp_config.num_distributed_optimizer_instances} "
               "(--num-distributed-optimizer-instances) with expert parameters (--num-experts): hybrid sharding of "
               "experts is not supported")
-        check(any(p.is_meta for p in module.parameters()),
+        check(module is not None and any(p.is_meta for p in module.parameters()),
               "init_model_with_meta_device=True (--init-model-with-meta-device) with expert parameters "
               "(--num-experts): every expert-parallel rank would initialize its experts alike")
     check(getattr(config, "fp8", None) is not None,
@@ -291,9 +294,11 @@ class FullyShardedDataParallel(DistributedDataParallel):
                     process_group=shard_group if replica_group is None else (replica_group, shard_group),
                     init_fn=megatron_init_fn(config) if meta else None,
                     mixed_precision=policy, check_for_nan_in_grad=bool(ddp_config.check_for_nan_in_grad),
-                    # Megatron DDP: buffers are not broadcast, and every main_grad exists (zeros if unused);
+                    # Megatron DDP: buffers are not broadcast, and every main_grad exists (zeros if unused)
+                    # and persists between steps;
                     # Megatron's optimizer takes plain tensors (this rank's rows), not DTensors
-                    broadcast_buffers=False, unused_param_grads="zeros", dtensor_params=False)
+                    broadcast_buffers=False, unused_param_grads="zeros", dtensor_params=False,
+                    persistent_grads=True)
         _BaseDataParallel.__init__(self, config=config, module=module)
 
         self.ddp_config = dataclasses.replace(ddp_config, use_megatron_fsdp=True)

@@ -30,10 +30,12 @@ ADAPTER = PACKAGE / "megatron"
 # Underscore names the adapter may touch: namedtuple API, and attributes the adapter itself puts
 # on Megatron's (not the core's) objects (``_get_filesystem_reader``: Megatron's reader factory,
 # which dist_checkpoint.safe_dcp_reading replaces while it loads; ``_local_tensor``: the name
-# Megatron's finalize_model_grads reads on gradients, which the adapter sets on its plain ones).
+# Megatron's finalize_model_grads reads on gradients, which the adapter sets on its plain ones;
+# ``_filter_grads_for_norm``: Megatron's optimizer method the adapter wraps for no_shard with experts).
 _NOT_CORE = {"_replace", "_asdict", "_fields", "_fsdp_v2_model", "_fsdp_v2_dp_rank", "_fsdp_v2_tp_rank",
              "_fsdp_v2_slices", "_fsdp_v2_format", "_fsdp_v2_chunk_count", "_fsdp_v2_shard_replica",
-             "_get_filesystem_reader", "_local_tensor"}
+             "_fsdp_v2_expert_names", "_fsdp_v2_expert_dp_rank", "_get_filesystem_reader", "_local_tensor",
+             "_filter_grads_for_norm"}
 
 
 def _underscore_reads(path: pathlib.Path) -> list[str]:

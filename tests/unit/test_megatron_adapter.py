@@ -223,6 +223,8 @@ def _error_cases(world_size):
 
     expert_config = tiny_cpu_config(2, 32, 4, num_moe_experts=4, expert_model_parallel_size=2)
     out["expert_parallel"] = _unsupported_settings(expert_config, DistributedDataParallelConfig(), None, {})
+    expert_tp_config = tiny_cpu_config(2, 32, 4, num_moe_experts=4, expert_tensor_parallel_size=2, add_bias_linear=False)
+    out["expert_tensor_parallel"] = _unsupported_settings(expert_tp_config, DistributedDataParallelConfig(), None, {})
     model_parallel = tiny_cpu_config(2, 32, 4, tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
                                      context_parallel_size=2, sequence_parallel=True)
     out["model_parallel"] = _unsupported_settings(model_parallel, DistributedDataParallelConfig(), None, {})
@@ -508,9 +510,11 @@ def test_errors_name_the_setting(two_ranks):
     assert errors["tp_peer_shapes"].startswith("ValueError: module: tensor-parallel peers hold parameters of "
                                                "different shapes")
     assert "embedding.word_embeddings.weight" in errors["tp_peer_shapes"]
-    assert errors["expert_parallel"] == ["expert_model_parallel_size=2 (--expert-model-parallel-size): data "
-                                         "parallelism composes with tensor (and sequence), context and pipeline "
-                                         "parallelism; expert parallel sizes must be 1"]
+    assert errors["expert_parallel"] == []       # expert parallelism is accepted (tests/unit/test_megatron_moe.py)
+    assert errors["expert_tensor_parallel"] == [
+        "expert_tensor_parallel_size=2 (--expert-tensor-parallel-size) with tensor_model_parallel_size=1: expert "
+        "parameters are sharded over Megatron's expert-data-parallel group, which must lie inside the data-parallel "
+        "group; use the same size (Megatron's default)"]
     assert errors["model_parallel"] == []        # TP, PP, CP and sequence parallel are accepted
     assert "gradient_accumulation_fusion" in errors["grad_accum_fusion"]
     assert "fp8_param_gather" in errors["fp8_param_gather"]

@@ -111,6 +111,7 @@ class Engine:
         self.comm = comm
         self.replicas = replicas                 # hybrid sharding: the outer group (replicas.py)
         self.experts = experts                   # expert parameters' group, or None (experts.py)
+        self.world = None                        # HFSDP: the whole world the main weights are sharded over
         self.groups = [g for u in units for g in u.groups]
         self.phase = PhaseMachine()
         self.requires_gradient_sync = True       # False inside no_sync(): DDP / ZeRO-1 accumulate locally
@@ -416,7 +417,11 @@ class Engine:
         with expert groups one more: experts.py, [Note: expert parameters])."""
         norm_type = float(norm_type)
         inf = norm_type == float("inf")
-        total = clip_norm_terms(self, [g for g in self.groups if g.comm is self.comm], self.comm, norm_type)
+        total = None
+        for comm in {id(g.comm): g.comm for g in self.groups if g.comm is not self.experts}.values():
+            # the data-parallel group; with HFSDP the whole world the main weights are sharded over
+            terms = clip_norm_terms(self, [g for g in self.groups if g.comm is comm], comm, norm_type)
+            total = terms if total is None else (torch.maximum(total, terms) if inf else total + terms)
         if self.experts is not None:
             experts = clip_norm_terms(self, [g for g in self.groups if g.comm is self.experts], self.experts, norm_type)
             self.comm.all_reduce(experts, op=torch.distributed.ReduceOp.MAX if inf else torch.distributed.ReduceOp.SUM,
@@ -456,8 +461,8 @@ class Engine:
         A group stepped by two optimizers before the next forward is refreshed after each; the
         second refresh waits for the first (``ParamGroup._gather_into``), so the forward never
         sees a stale all-gather land last."""
-        if self.strategy.weights_sharded:
-            return
+        if self.strategy.weights_sharded and all(g.levels is None for g in self.groups):
+            return                               # ZeRO-3 gathers at use (HFSDP: its inner shards refresh here)
         dirty, self._dirty_groups = self._dirty_groups, set()
         for group in self.groups:
             version = group.main_version()

@@ -198,11 +198,13 @@ class FullyShardedModule:
             stats["across_replicas"] = engine.replicas.stats.as_dict()
         if engine.experts is not None:
             stats["experts"] = engine.experts.stats.as_dict()
+        if engine.world is not None:
+            stats["whole_world"] = engine.world.stats.as_dict()
         return stats
 
     def reset_comm_stats(self) -> None:
         engine = self._fsdp_engine
-        for group_comm in (engine.comm, engine.replicas, engine.experts):
+        for group_comm in (engine.comm, engine.replicas, engine.experts, engine.world):
             if group_comm is not None:
                 group_comm.stats.reset()
 
@@ -303,6 +305,37 @@ def _check_hybrid_groups(shards: Communicator, replicas: Communicator) -> None:
             "ranks with the same position, e.g. init_device_mesh(device, (replicas, shard_size)).")
 
 
+def _check_outer_sharding(outer_sharding_strategy: str, strategy, inner: Communicator,
+                          outer: Optional[Communicator]) -> Optional[Communicator]:
+    """HFSDP's preconditions; returns the Communicator of the whole world (None without HFSDP).
+    The layout's shard index is the global rank, so it must be ``outer rank * inner size + inner
+    rank`` (inner groups of consecutive ranks); a rank that finds otherwise makes every rank raise."""
+    from .replicas import HFSDP_STRATEGIES
+
+    if outer_sharding_strategy not in ("no_shard", "optim"):
+        raise ValueError(f"outer_sharding_strategy must be 'no_shard' or 'optim', got {outer_sharding_strategy!r}.")
+    if outer_sharding_strategy == "no_shard":
+        return None
+    if outer is None:
+        raise ValueError("outer_sharding_strategy='optim' shards across replicas: pass process_group=(outer, inner) "
+                         "or a 2-D DeviceMesh (hybrid sharding).")
+    if strategy.name not in HFSDP_STRATEGIES:
+        raise ValueError(f"outer_sharding_strategy='optim' needs an inner strategy that shards gradients, one of "
+                         f"{list(HFSDP_STRATEGIES)}; got sharding_strategy={strategy.name!r}.")
+    if inner.size * outer.size != dist.get_world_size():
+        raise ValueError(f"outer_sharding_strategy='optim': the (outer, inner) groups must cover the whole world "
+                         f"({dist.get_world_size()} ranks), got {outer.size} x {inner.size}.")
+    device = _group_device(inner)
+    bad = torch.tensor([int(dist.get_rank() != outer.rank * inner.size + inner.rank)], dtype=torch.int64,
+                       device=device)
+    dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    if int(bad):
+        raise ValueError("outer_sharding_strategy='optim': every rank's global rank must be outer rank x inner size "
+                         "+ inner rank (inner groups of consecutive ranks, e.g. init_device_mesh(..., (nodes, "
+                         "gpus_per_node))); this layout differs on some rank.")
+    return Communicator(None)
+
+
 def _check_params(module: nn.Module) -> torch.device:
     params = list(module.parameters())
     if not params:
@@ -369,7 +402,7 @@ def _initialize_from_meta(module: nn.Module, units: list, pending: dict, device:
     initialize_meta_model(module, pending, write, restore, device, init_fn)
     for unit in units:
         for group in unit.groups:
-            if not group.strategy.weights_sharded:       # ZeRO-3 gathers at use
+            if not group.strategy.weights_sharded or group.levels is not None:   # ZeRO-3 gathers at use (HFSDP: from its inner shard)
                 group.rebuild_compute_weights(async_op=False)
                 group.wait_refresh()
 
@@ -390,6 +423,7 @@ def fully_shard(
     expert_process_group: Optional[dist.ProcessGroup] = None,
     expert_params: Optional[Callable[[str, nn.Parameter], bool]] = None,
     persistent_grads: bool = False,
+    outer_sharding_strategy: str = "no_shard",
 ) -> nn.Module:
     """Shard ``module`` over ``process_group`` with a Megatron sharding strategy; returns it.
 
@@ -425,6 +459,12 @@ def fully_shard(
             the same experts); the parameters ``expert_params(name, param)`` selects are sharded and
             reduced over it, the rest over ``process_group`` (experts.py, [Note: expert parameters]).
         expert_params: which parameters are experts (given with ``expert_process_group``).
+        outer_sharding_strategy: hybrid sharding only: ``"no_shard"`` (HSDP: each replica keeps all
+            main weights and optimizer state of its shard) or ``"optim"`` (HFSDP, Megatron's
+            ``outer_dp_sharding_strategy``: main weights, gradients and optimizer state sharded over
+            inner x outer, compute weights gathered within the inner group; inner strategy
+            ``optim_grads`` or ``optim_grads_params``; replicas.py, [Note: sharding across replicas
+            (HFSDP)]).
         persistent_grads: ``False`` (FSDP2's behaviour): the reduced-gradient buffers live as long as
             the optimizer's ``.grad`` views of them, so ``zero_grad(set_to_none=True)`` frees them and
             the next backward allocates them again as late as possible; ``True``: kept between
@@ -469,6 +509,7 @@ def fully_shard(
         _check_process_group(replicate_group)
         replicas = Communicator(replicate_group)
         _check_hybrid_groups(comm, replicas)
+    world = _check_outer_sharding(outer_sharding_strategy, strategy, comm, replicas)
     # Units (and their policies) of earlier fully_shard calls on submodules: their parameters are
     # made whole again here, then sharded with the rest.
     inner_policies = absorb_wrapped_submodules(module, strategy, comm, FullyShardedModule)
@@ -501,6 +542,7 @@ def fully_shard(
         "built on the meta device": str(from_meta),
         "dtensor_params": str(dtensor_params),
         "persistent_grads": str(persistent_grads),
+        "outer_sharding_strategy": outer_sharding_strategy,
         "expert parameters": ",".join(n for n, p in module.named_parameters() if id(p) in experts),
     }
     for group_comm in (comm, replicas, expert_comm):
@@ -514,7 +556,8 @@ def fully_shard(
             _sync_module_states(module, expert_comm, only=experts)
 
     alignment = default_alignment(device)
-    mesh = mesh_of_group(comm.group, device) if dtensor_params and strategy.optim_sharded else None
+    shard_comm = world if world is not None else comm   # HFSDP: main weights sharded over the world
+    mesh = mesh_of_group(shard_comm.group, device) if dtensor_params and strategy.optim_sharded else None
     expert_mesh = (mesh_of_group(expert_comm.group, device)
                    if expert_comm is not None and dtensor_params and strategy.optim_sharded else None)
     units: list[Unit] = []
@@ -530,9 +573,10 @@ def fully_shard(
             tag = (f"{spec.fqn or '<root>'}/{str(dtype).replace('torch.', '')}/{'grad' if requires_grad else 'frozen'}"
                    f"{'/full_precision' if keep_precision else ''}{'/experts' if expert else ''}")
             group = ParamGroup(tag, [e[2] for e in entries], [e[0] for e in entries], strategy,
-                               expert_comm if expert else comm,
+                               expert_comm if expert else shard_comm,
                                resolve_dtypes(dtype, policy, requires_grad, keep_precision), alloc, device,
-                               alignment, expert_mesh if expert else mesh)
+                               alignment, expert_mesh if expert else mesh,
+                               levels=(comm, replicas) if world is not None else None)
             group.all_names = [e[1] for e in entries]
             group.persistent_grads = persistent_grads
             group.param_dtype = dtype
@@ -564,10 +608,11 @@ def fully_shard(
     module._fsdp_main_params = main_params
     module._fsdp_name_order = name_order
     module._fsdp_engine = Engine(module, units, strategy, alloc, comm, replicas, expert_comm)
+    module._fsdp_engine.world = world
     module._fsdp_engine.check_for_nan_in_grad = bool(check_for_nan_in_grad)
     module._fsdp_engine.broadcast_buffers = bool(broadcast_buffers)
     module._fsdp_engine.unused_grads_are_none = unused_param_grads == "none"
-    for group_comm in (comm, replicas, expert_comm):
+    for group_comm in (comm, replicas, expert_comm, world):
         if group_comm is not None:
             group_comm.stats.reset()
     return module

@@ -39,6 +39,7 @@ from .comm import Communicator
 from .layout import FlatLayout, build_layout
 from .row_sharded import row_sharded
 from .mixed_precision import GroupDtypes
+from .replicas import gather_blocks, reduce_blocks
 from .strategy import ShardingStrategy
 
 
@@ -52,8 +53,9 @@ class PendingCollective(NamedTuple):
 def _wait(pending: Optional[PendingCollective]) -> None:
     if pending is None:
         return
-    if pending.work is not None:
-        pending.work.wait()
+    for work in (pending.work if isinstance(pending.work, list) else [pending.work]):
+        if work is not None:
+            work.wait()
     pending.on_complete()
 
 
@@ -72,6 +74,7 @@ class ParamGroup:
         device: torch.device,
         alignment: int = 1,
         mesh=None,
+        levels=None,
     ) -> None:
         self.name = name
         self.params = list(params)
@@ -83,6 +86,11 @@ class ParamGroup:
         self.allocator = allocator
         self.device = device
         self.requires_grad = self.params[0].requires_grad
+        # HFSDP (replicas.py, [Note: sharding across replicas (HFSDP)]): (inner, outer) Communicators;
+        # ``comm`` is then the whole data-parallel world the main weights are sharded over.
+        self.levels = levels
+        self.inner_weights: Optional[torch.Tensor] = None     # HFSDP ZeRO-3: this rank's inner shard
+        self._inner_grad: Optional[torch.Tensor] = None       # HFSDP: inner-reduced grads awaiting the outer reduce
         self.layout: FlatLayout = build_layout([tuple(p.shape) for p in self.params], comm.size, alignment)
         # Sharded main weights face the optimizer as RowShardedTensors on this mesh (None: as plain
         # tensors holding this rank's rows, what Megatron's optimizer expects).
@@ -142,6 +150,10 @@ class ParamGroup:
             self.model_weights: Optional[torch.Tensor] = None
             for param in self.params:
                 param.data = torch.empty(0, dtype=dt.compute, device=self.device)
+            if self.levels is not None:
+                self.inner_weights = torch.empty(self.layout.shard_numel * self.levels[1].size, dtype=dt.compute,
+                                                 device=self.device)
+                self.rebuild_compute_weights(async_op=False)
         else:
             if self.compute_weights_are_main_weights:
                 self.model_weights = self.main_shard
@@ -250,6 +262,11 @@ class ParamGroup:
         """Rebuild the persistent replicated compute weights from the main weights."""
         if self.compute_weights_are_main_weights:
             return
+        if self.strategy.weights_sharded:
+            if self.levels is not None:          # HFSDP: the inner shard, by one outer all-gather
+                self.wait_refresh()
+                self._pending_refresh = self._gather_across_replicas(self.inner_weights, async_op)
+            return
         if self.strategy.optim_sharded:
             # A refresh still in flight writes into the same buffer (two optimizers stepping before
             # the next forward each start one): finish it before this one overwrites it.
@@ -265,6 +282,8 @@ class ParamGroup:
         This rank's shard is cast straight into its own slot of the output and gathered from
         there (the in-place form NCCL and gloo accept), so no separate cast copy of the shard
         lives while the collective is in flight."""
+        if self.levels is not None:
+            return self._gather_blocks_into(full, async_op)
         start, end = self.layout.shard_range(self.comm.rank)
         slot = full[start:end]
         with torch.no_grad():
@@ -272,10 +291,40 @@ class ParamGroup:
         work = self.comm.all_gather(full, slot, async_op=async_op, label=f"weights of {self.name}")
         return PendingCollective(work if async_op else None, lambda: None)
 
+    def _gather_across_replicas(self, inner_shard: torch.Tensor, async_op: bool) -> PendingCollective:
+        """HFSDP: this rank's inner shard of compute weights from the replicas' world shards (one
+        outer all-gather, the own piece cast in place)."""
+        outer, size = self.levels[1], self.layout.shard_numel
+        slot = inner_shard[outer.rank * size:(outer.rank + 1) * size]
+        with torch.no_grad():
+            slot.copy_(self.main_shard)
+        work = outer.all_gather(inner_shard, slot, async_op=async_op, label=f"weights of {self.name} across replicas")
+        return PendingCollective(work if async_op else None, lambda: None)
+
+    def _gather_blocks_into(self, full: torch.Tensor, async_op: bool) -> PendingCollective:
+        """HFSDP: ``full`` from the inner shards, block by block over the inner group (ZeRO-3: the
+        persistent inner shard; ZeRO-2: a temporary one gathered across replicas first)."""
+        inner, outer = self.levels
+        source, release = self.inner_weights, (lambda: None)
+        if source is None:
+            key = (self.name, "inner_weights")
+            source = self.allocator.allocate(key, self.layout.shard_numel * outer.size, self.dtypes.compute,
+                                             self.device)
+            _wait(self._gather_across_replicas(source, async_op=False))
+            release = lambda: self.allocator.free(key)          # noqa: E731
+        works = gather_blocks(inner, full, source, self.layout.shard_numel, outer.size, async_op,
+                              f"weights of {self.name}")
+        if not async_op:
+            release()
+            return PendingCollective(None, lambda: None)
+        return PendingCollective(works, release)
+
     def unshard(self, async_op: bool = True) -> None:
         """ZeRO-3: allocate the full compute buffer and all-gather the weights into it."""
         if self.is_unsharded:
             return
+        if self.levels is not None:
+            self.wait_refresh()                  # HFSDP: the inner shard must hold the last step's weights
         full = self.allocator.allocate(self._weights_key, self.layout.total_numel, self.dtypes.compute, self.device)
         self.model_weights = full
         self._point_params_at(full)
@@ -357,7 +406,19 @@ class ParamGroup:
             return None
         full, release_input = self._grad_comm_input()
 
-        if self.strategy.grad_reduce_op == "all_reduce":
+        if self.levels is not None:
+            inner, outer = self.levels
+            inner_out = torch.empty(self.layout.shard_numel * outer.size, dtype=full.dtype, device=self.device)
+            works = reduce_blocks(inner, inner_out, full, self.layout.shard_numel, outer.size, f"grads of {self.name}")
+
+            def on_complete(inner_out=inner_out):
+                with torch.no_grad():
+                    release_input()
+                    if self._inner_grad is None:
+                        self._inner_grad = torch.zeros(inner_out.numel(), dtype=self.dtypes.grad, device=self.device)
+                    self._inner_grad.add_(inner_out.to(self._inner_grad.dtype), alpha=1.0 / divide_factor)
+            work = works
+        elif self.strategy.grad_reduce_op == "all_reduce":
             work = self.comm.all_reduce(full, async_op=True, label=f"grads of {self.name}")
 
             def on_complete(full=full):
@@ -403,6 +464,15 @@ class ParamGroup:
         if not self.awaiting_replica_reduce:
             return
         self.awaiting_replica_reduce = False
+        if self.levels is not None:              # HFSDP: one outer reduce-scatter to this rank's world shard
+            inner_grad, self._inner_grad = self._inner_grad, None
+            if inner_grad is None:
+                return
+            out = torch.empty(self.layout.shard_numel, dtype=inner_grad.dtype, device=self.device)
+            replicas.reduce_scatter(out, inner_grad, label=f"grads of {self.name} across replicas")
+            with torch.no_grad():
+                self._ensure_grads().add_(out, alpha=1.0 / replicas.size)
+            return
         buffer = self.main_grad_buffer()
         if buffer is None or replicas.size == 1:
             return
@@ -417,7 +487,7 @@ class ParamGroup:
     def scale_grads(self, factor: float) -> None:
         """Multiply the gradients this group holds (reduced or accumulating) by ``factor``."""
         with torch.no_grad():
-            for buffer in (self.full_grad, self.grad_shard, self._stash):
+            for buffer in (self.full_grad, self.grad_shard, self._stash, self._inner_grad):
                 if buffer is not None:
                     buffer.mul_(factor)
 
@@ -453,7 +523,7 @@ class ParamGroup:
         for key in (self._grad_key, self._comm_key, self._stash_key):
             if self.allocator.is_live(key):
                 self.allocator.free(key)
-        self._temp_grad = self._stash = None
+        self._temp_grad = self._stash = self._inner_grad = None
         self.grads_ready = [False] * len(self.params)
         self.has_unreduced_grads = False
         self.reduced_this_backward = False
@@ -476,9 +546,13 @@ class ParamGroup:
         decay leave it alone. "No rank used it" is read without a collective: it got no gradient
         here and its reduced piece is exactly zero (any rank's contribution would show there).
         """
-        buffer = self.main_grad_buffer()
-        if buffer is None:
+        if not self.requires_grad:
             return
+        # a buffer freed by zero_grad(set_to_none=True) that no reduce has re-created yet (HFSDP
+        # under no_sync: the inner reduces wait for the outer one) comes back zeroed, so every
+        # .grad is attached and a later zero_grad detection sees no stale None
+        self._ensure_grads()
+        buffer = self.main_grad_buffer()
         for index, main in enumerate(self.main_params):
             view = self._main_view(buffer, index)
             if none_if_unused and not self.got_grad[index] and not bool(view.any()):
@@ -487,6 +561,7 @@ class ParamGroup:
                 main.grad = self.facing_optimizer(view, index)
 
     def zero_grads(self) -> None:
+        self._inner_grad = None
         if self._stash is not None:
             self._release_stash()
         with torch.no_grad():
@@ -505,6 +580,7 @@ class ParamGroup:
         def nbytes(t):
             return 0 if t is None else t.numel() * t.element_size()
         model = 0 if (self.strategy.weights_sharded or self.compute_weights_are_main_weights) else nbytes(self.model_weights)
+        model += nbytes(self.inner_weights)
         return {"main_weights": nbytes(self.main_shard), "model_weights": model,
                 "grads": nbytes(self.full_grad) + nbytes(self.grad_shard)}
 

@@ -49,3 +49,47 @@ def split_process_group(process_group) -> Tuple[Optional[dist.ProcessGroup], Opt
         outer, inner = process_group
         return inner, outer
     return process_group, None
+
+
+# ---------------------------------------------------------------- HFSDP
+# [Note: sharding across replicas (HFSDP)]
+# ``outer_sharding_strategy="optim"`` (Megatron's ``outer_dp_sharding_strategy``) also shards main
+# weights, gradients and optimizer state across the replicas: over the whole data-parallel world
+# W = inner x outer, laid out as flat ZeRO over W (the layout's shard index is the global rank,
+# which must be ``outer rank * inner size + inner rank``: nodes of consecutive ranks). Compute
+# weights still move only inside the inner group:
+#
+#   world shard w = n * N_in + i     (n: outer rank, i: inner rank; S elements each)
+#   block n of the flat buffer = world shards n*N_in .. n*N_in + N_in - 1   (contiguous)
+#   inner shard of rank (n, i) = world shards {m * N_in + i : m}             (one piece per block)
+#
+# * Weights (ZeRO-3): each rank keeps its inner shard of compute weights (c * P / N_in), refreshed
+#   after an optimizer step by one outer all-gather of the updated world shards; a unit is gathered
+#   by N_out inner all-gathers, block by block. (ZeRO-2: the same two steps into the replicated
+#   weights, the inner shard a temporary.)
+# * Gradients: each micro-batch's reduce is N_out inner reduce-scatters, block by block, added into
+#   this rank's inner gradient shard (g * P / N_in, alive from the first reduce to the step's outer
+#   reduce); when the gradients are made final, one outer reduce-scatter leaves this rank its world
+#   shard, divided by the outer size.
+#
+# Per step the inner group moves the strategy's bytes (in N_out calls each), the outer group one
+# reduce-scatter of g * P / N_in and one all-gather of c * P / N_in: the bytes of HSDP's all-reduce,
+# while main weights and optimizer state shrink from P / N_in to P / W per rank.
+
+HFSDP_STRATEGIES = ("optim_grads", "optim_grads_params")
+
+
+def gather_blocks(inner, full, source, world_shard: int, outer_size: int, async_op: bool, label: str) -> list:
+    """N_out inner all-gathers: block n of ``full`` from piece n of every inner rank's ``source``
+    (its inner shard, pieces of ``world_shard`` elements in outer-rank order)."""
+    block = world_shard * inner.size
+    return [inner.all_gather(full[n * block:(n + 1) * block], source[n * world_shard:(n + 1) * world_shard],
+                             async_op=async_op, label=label) for n in range(outer_size)]
+
+
+def reduce_blocks(inner, inner_out, full, world_shard: int, outer_size: int, label: str) -> list:
+    """N_out inner reduce-scatters: piece n of ``inner_out`` gets this rank's share of block n of
+    ``full`` summed over the inner group."""
+    block = world_shard * inner.size
+    return [inner.reduce_scatter(inner_out[n * world_shard:(n + 1) * world_shard], full[n * block:(n + 1) * block],
+                                 async_op=True, label=label) for n in range(outer_size)]

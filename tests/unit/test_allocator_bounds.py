@@ -157,13 +157,14 @@ def _run_config(rank, strategy, allocator, n_units, precision=None):
                 ((out - y) ** 2).mean().backward()
                 phases.append((forward_peak, alloc.peak_live_bytes))
         opt.step()
+        persistent = model.persistent_bytes()     # before zero_grad(set_to_none=True) frees the grads
         opt.zero_grad()
         steps.append({"phases": phases, "live_after": alloc.live_bytes, "live_keys": alloc.live_keys()})
     result = {
         "sizes": _byte_sizes(model),
         "steps": steps,
         "peak_over_run": max(max(p) for s in steps for p in s["phases"]),
-        "persistent": model.persistent_bytes(),
+        "persistent": persistent,
         "state": {n: t.clone() for n, t in model.full_state_dict().items()},
         "events": [(kind, key, live) for kind, key, _, live in events if kind != "step"],
         "iterations": _addresses_per_iteration(events),

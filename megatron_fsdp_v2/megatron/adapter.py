@@ -31,6 +31,9 @@ and no ZeRO-3: one root unit)                      buckets for the other strateg
 experts (``allreduce=False``; ``--num-experts``,   ``expert_process_group``: Megatron's expert-data-
 ``--expert-model-parallel-size``)                  parallel group (``expt_dp``); divided like dense
                                                    grads (1 / dp size), as Megatron DDP does
+``num_distributed_optimizer_instances`` > 1        hybrid sharding: ``process_group=(inter_dist_opt,
+                                                   intra_dp_cp)``; ``outer_dp_sharding_strategy``
+                                                   ``optim``: ``outer_sharding_strategy="optim"`` (HFSDP)
 ``calculate_per_token_loss``                       grads are DP means; ``scale_gradients`` (called
                                                    by ``finalize_model_grads`` with 1/tokens)
                                                    multiplies by the DP size to give Megatron's sums
@@ -174,9 +177,17 @@ def _unsupported_settings(config: TransformerConfig, ddp_config: DistributedData
           "fp4_param_gather=True (--fp4-param-gather) is not supported")
     check(bool(getattr(ddp_config, "reuse_grad_buf_for_mxfp8_param_ag", False)),
           "reuse_grad_buf_for_mxfp8_param_ag=True (--reuse-grad-buf-for-mxfp8-param-ag) is not supported")
-    check(getattr(ddp_config, "outer_dp_sharding_strategy", "no_shard") != "no_shard",
-          f"outer_dp_sharding_strategy={ddp_config.outer_dp_sharding_strategy!r} "
-          "(--outer-dp-sharding-strategy): hybrid sharding (HSDP) is not supported")
+    outer = getattr(ddp_config, "outer_dp_sharding_strategy", "no_shard")
+    check(outer not in ("no_shard", "optim"),
+          f"outer_dp_sharding_strategy={outer!r} (--outer-dp-sharding-strategy): 'no_shard' (HSDP) or 'optim' "
+          "(HFSDP) are supported")
+    check(outer == "optim" and ddp_config.num_distributed_optimizer_instances < 2,
+          "outer_dp_sharding_strategy='optim' (--outer-dp-sharding-strategy) shards across distributed-optimizer "
+          "instances: it needs num_distributed_optimizer_instances > 1 (--num-distributed-optimizer-instances)")
+    check(outer == "optim" and ddp_config.data_parallel_sharding_strategy not in ("optim_grads", "optim_grads_params"),
+          f"outer_dp_sharding_strategy='optim' (--outer-dp-sharding-strategy) with data_parallel_sharding_strategy="
+          f"{ddp_config.data_parallel_sharding_strategy!r}: the inner strategy must shard gradients "
+          "('optim_grads' or 'optim_grads_params')")
     check(bool(getattr(ddp_config, "nccl_ub", False)),
           "nccl_ub=True (--use-nccl-ub): NCCL user-buffer registration is not supported")
     check(bool(getattr(ddp_config, "megatron_fsdp_use_decoupled_grad", False)),
@@ -292,6 +303,7 @@ class FullyShardedDataParallel(DistributedDataParallel):
         fully_shard(module, sharding_strategy=strategy, unit_modules=units,
                     expert_process_group=expert_group, expert_params=is_expert_parameter if has_experts else None,
                     process_group=shard_group if replica_group is None else (replica_group, shard_group),
+                    outer_sharding_strategy=getattr(ddp_config, "outer_dp_sharding_strategy", "no_shard"),
                     init_fn=megatron_init_fn(config) if meta else None,
                     mixed_precision=policy, check_for_nan_in_grad=bool(ddp_config.check_for_nan_in_grad),
                     # Megatron DDP: buffers are not broadcast, and every main_grad exists (zeros if unused)
@@ -309,6 +321,7 @@ class FullyShardedDataParallel(DistributedDataParallel):
         self.dp_cp_group = dp_group              # every data-parallel rank (with context parallel)
         self.intra_dp_cp_group = shard_group
         self.replica_group = replica_group       # across distributed-optimizer instances, or None
+        self.outer_sharding_strategy = getattr(ddp_config, "outer_dp_sharding_strategy", "no_shard")
         self.expt_dp_group = expert_group         # expert parameters' group (None without experts)
         self.tp_group = tensor_parallel_group(pg_collection)
         check_tensor_parallel_peers_share_the_layout(module.sharded_parameters(), self.tp_group)
@@ -347,8 +360,9 @@ class FullyShardedDataParallel(DistributedDataParallel):
     def checkpoint_replica_ranks(self) -> tuple:
         """(data-parallel rank, instance rank): the data-parallel element of the replica ids of
         a replicated value and of a shard (the instances hold the same shards)."""
-        instance = dist.get_rank(self.replica_group) if self.replica_group is not None else 0
-        return dist.get_rank(self.dp_cp_group), instance
+        # HFSDP: every rank holds its own shards (no copies across instances)
+        copies = self.replica_group is not None and self.outer_sharding_strategy == "no_shard"
+        return dist.get_rank(self.dp_cp_group), dist.get_rank(self.replica_group) if copies else 0
 
     def expert_checkpoint_replicas(self) -> tuple:
         """(core names of the expert parameters, this rank's expert-data-parallel rank): experts are

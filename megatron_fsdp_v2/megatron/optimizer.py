@@ -183,6 +183,8 @@ def get_optimizer(
         # group and the model-parallel group, i.e. over Megatron's distributed-optimizer instance
         # (what it picks for Adam; the SGD path's FP32Optimizer would sum over model-parallel only).
         group = _distributed_optimizer_instance_group(pg_collection)
+        if any(chunk.outer_sharding_strategy == "optim" for chunk in chunks):
+            group = dist.group.WORLD     # HFSDP: the shards are disjoint across the instances too
         for leaf in _leaf_optimizers(optimizer):
             leaf.grad_stats_parallel_group = group
     elif any(chunk.expt_dp_group is not None for chunk in chunks):

@@ -428,7 +428,7 @@ def test_launcher_accepts_tensor_and_pipeline_parallel_flags():
 
 
 # ---------------------------------------------------------------- distributed-optimizer instances (hybrid)
-def instances_worker(rank, world, root, strategies):
+def instances_worker(rank, world, root, strategies, outer="no_shard"):
     """2 distributed-optimizer instances x 2 ranks: ours (hybrid sharding) against Megatron DDP
     over all 4 data-parallel ranks (same math: the mean over every rank), then a dist checkpoint of
     ours saved with 2 instances and loaded into one instance of 4 ranks."""
@@ -450,7 +450,8 @@ def instances_worker(rank, world, root, strategies):
         for strategy in strategies:
             model, config = _model(1, 1, False)
             ddp_config = DistributedDataParallelConfig(data_parallel_sharding_strategy=strategy,
-                                                       num_distributed_optimizer_instances=2)
+                                                       num_distributed_optimizer_instances=2,
+                                                       outer_dp_sharding_strategy=outer)
             wrapped = FullyShardedDataParallel(config, ddp_config, model)
             optimizer = get_optimizer(_optimizer_config(), [wrapped])
             from tests.megatron_cpu import constant_param_scheduler
@@ -460,7 +461,9 @@ def instances_worker(rank, world, root, strategies):
             out[strategy] = (losses, norms, wrapped.state_dict())
             out[("sizes", strategy)] = (wrapped.dp_group.size(), wrapped.replica_group.size())
         save_dist_checkpoint(f"{root}/instances", wrapped, optimizer)
-        saved = (wrapped.state_dict(), full_optimizer_state(wrapped, optimizer, wrapped.dp_group))
+        # HSDP: each instance holds the same shards (sum within one); HFSDP: disjoint over all ranks
+        saved = (wrapped.state_dict(), full_optimizer_state(wrapped, optimizer,
+                                                            wrapped.dp_group if outer == "no_shard" else None))
         # the instances hold the same shards: only instance 0's boxes are main replicas
         box_replicas = {box.replica_id[-1] for value in wrapped.sharded_state_dict().values()
                         if isinstance(value, dict) for box in value.values()}
@@ -490,3 +493,56 @@ def test_distributed_optimizer_instances_match_megatron_ddp_and_checkpoint(tmp_p
             assert sorted(got) == sorted(want)
             for key, value in want.items():
                 assert torch.equal(got[key], value), (rank, key)
+
+
+def test_hfsdp_instances_match_megatron_ddp_and_checkpoint(tmp_path):
+    """--outer-dp-sharding-strategy optim with 2 instances x 2 ranks (HFSDP): parity with Megatron DDP
+    over all 4 ranks, every rank's checkpoint boxes are main replicas (no copies across instances),
+    and the checkpoint loads into one instance of 4 ranks bitwise."""
+    strategies = ("optim_grads", "optim_grads_params")
+    results = run_distributed(instances_worker, 4, str(tmp_path), strategies, "optim", timeout=900)
+    for rank, (out, saved, loaded) in enumerate(results):
+        for strategy in strategies:
+            assert out.pop(("sizes", strategy)) == (2, 2), (rank, strategy)
+        instance, box_replicas = out.pop(("boxes", "replica"))
+        assert instance == 0 and box_replicas == {0}, (rank, instance, box_replicas)
+        _assert_parity([out], ("hfsdp instances", rank))
+        for got, want in zip(loaded, saved):
+            assert sorted(got) == sorted(want)
+            for key, value in want.items():
+                assert torch.equal(got[key], value), (rank, key)
+
+
+def launcher_instances_worker(rank, world, flags):
+    """Megatron-LM's parsing and validation of the hybrid-sharding flags, then the launcher's wrapping."""
+    from megatron.training import training
+
+    from examples import pretrain_gpt
+    from megatron_fsdp_v2.megatron import FullyShardedDataParallel
+    from tests.megatron_cpu import init_megatron_parallel_state, patch_megatron_for_cpu
+
+    import os
+
+    saved_env = os.environ.get("WORLD_SIZE")
+    os.environ["WORLD_SIZE"] = str(world)
+    try:
+        args = pretrain_gpt.parse_args(LAUNCHER_ARGS + flags)
+    finally:
+        os.environ.pop("WORLD_SIZE") if saved_env is None else os.environ.__setitem__("WORLD_SIZE", saved_env)
+    with patch_megatron_for_cpu():
+        init_megatron_parallel_state(world, num_distributed_optimizer_instances=args.num_distributed_optimizer_instances)
+        ((model, config),) = _pipeline_chunks(1, 1, None)
+        with pretrain_gpt.use_fully_sharded_data_parallel():
+            (chunk,) = training.wrap_model_chunks_with_ddp([model], config, training.get_megatron_ddp_config(args),
+                                                          DP=training.DDP, pg_collection=None, bucket_sizes=[None],
+                                                          disable_bucketing_per_chunk=[False])
+        return (args.num_distributed_optimizer_instances, args.outer_dp_sharding_strategy,
+                type(chunk) is FullyShardedDataParallel, chunk.dp_group.size(), chunk.replica_group.size(),
+                chunk.module.comm_stats().get("whole_world") is not None)
+
+
+@pytest.mark.parametrize("outer", ["no_shard", "optim"])
+def test_launcher_accepts_distributed_optimizer_instances(outer):
+    flags = ["--num-distributed-optimizer-instances", "2", "--outer-dp-sharding-strategy", outer]
+    for parsed in run_distributed(launcher_instances_worker, 4, flags, timeout=900):
+        assert parsed == (2, outer, True, 2, 2, outer == "optim")

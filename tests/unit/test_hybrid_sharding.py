@@ -80,7 +80,10 @@ def parity_worker(rank, world, shard_size, use_mesh):
         _train(model, optimizer, rank)
         stats = model.comm_stats()
         grad_groups = [g for g in model._fsdp_engine.groups if g.requires_grad]
-        shard_bytes = sum(g.main_grad_buffer().numel() * g.main_grad_buffer().element_size() for g in grad_groups)
+        # the reduced gradients each rank holds (its shard; DDP: all), fp32; the buffers themselves
+        # were freed by zero_grad(set_to_none=True)
+        shard_bytes = sum((g.layout.shard_numel if g.strategy.optim_sharded else g.layout.total_numel) * 4
+                          for g in grad_groups)
         out[strategy] = (model.full_state_dict(), stats, len(grad_groups), shard_bytes)
     if use_mesh or world > 4:            # the second-backward schedule once (2x2 groups) keeps CI short
         return want, out, None

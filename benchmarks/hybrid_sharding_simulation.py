@@ -11,29 +11,36 @@ ZeRO-3 vs HSDP vs HFSDP for a 70B GPT")::
 Setting: G GPUs per node (``--gpus-per-node``, 8); N ranks; inner group = the GPUs of a node,
 N_in = min(G, N); outer group = the same GPU of every node, N_out = N / N_in. Per unit u (each
 transformer layer, and the root: embeddings, final norm, output layer) P_u(n) is its padded
-element count when sharded over n ranks (``build_layout(shapes, n, alignment).total_numel``;
-alignment as ``fully_shard`` uses on a GPU) and S_u(n) = P_u(n) / n its shard. Bytes per element:
-compute weights c = 2 (bf16), main weights m = 4 (fp32), grads g = 4 (fp32, reduced in fp32),
-Adam state 8. A step is k micro-batches (``--micro-batches``).
+element count when its flat buffer is laid out over n shards (``build_layout(shapes, n,
+alignment).total_numel``; alignment as ``fully_shard`` uses on a GPU) and S_u(n) = P_u(n) / n its
+shard. Bytes per element: compute weights c = 2 (bf16), main weights m = 4 (fp32), grads g = 4
+(fp32, reduced in fp32), Adam state 8. A step is k micro-batches (``--micro-batches``).
 
 Collectives per step (bytes of the full buffer, as ``comm_stats()`` counts them: an all-gather's
 output, a reduce-scatter's input, an all-reduce's tensor), per unit:
 
 * flat ZeRO-3 (``optim_grads_params`` over all N ranks; "shard" group = the world): per
   micro-batch all-gather c*P_u(N) in forward, again in backward, reduce-scatter g*P_u(N).
-* HSDP (``optim_grads_params`` over the inner group, replicated across the outer; what
-  ``fully_shard(..., process_group=(outer, inner))`` does): the same three per micro-batch over
+* HSDP (``fully_shard(..., sharding_strategy="optim_grads_params", process_group=(outer, inner))``:
+  sharded over the inner group, replicated across the outer): the same three per micro-batch over
   the inner group with P_u(N_in); per step one all-reduce of the reduced grad shard g*S_u(N_in)
   over the outer group ("across_replicas").
-* HFSDP (main weights and Adam state sharded over all N, compute weights gathered within the node;
-  NOT implemented in the package: purely analytic here): inner collectives as HSDP; per step over
-  the outer group one reduce-scatter of the grad shard g*S'_u (each rank keeps g*S'_u/N_out, about
-  g*P/N) and one all-gather of the updated weights back into the inner shard, c*S'_u of output
-  (bf16), where S'_u = S_u(N_in) rounded up to a multiple of N_out.
+* HFSDP (the same call with ``outer_sharding_strategy="optim"``; replicas.py, [Note: sharding
+  across replicas (HFSDP)]): the buffer is laid out over the whole world, P_u(N) (flat ZeRO-3's
+  padding), main weights, grads and Adam state sharded over all N ranks, compute weights gathered
+  inside the node. Per micro-batch over the inner group: each of the three collectives is N_out
+  calls, one per block of N_in world shards (c*P_u(N)/N_out or g*P_u(N)/N_out each; together the
+  bytes of one full-buffer call). Per step over the outer group: one reduce-scatter of the inner
+  grad shard g*S_u(N)*N_out = g*P_u(N)/N_in (each rank keeps its world shard) and one all-gather
+  of the updated weights into the inner shard of compute weights, c*P_u(N)/N_in of output (bf16),
+  after the optimizer step. With N_out = 1 (one node) HFSDP is flat ZeRO-3 and is reported as
+  such (the package would still keep an inner copy of the compute weights there: use flat).
+  World-wide collectives (``comm_stats()["whole_world"]``: the grad-norm all-reduce of
+  ``clip_grad_norm_``, full-state gathers) are not part of the step modelled here.
 
 ``step_collectives`` lists them, one record (name, group, bytes, ranks) per call;
 ``count_bytes`` sums them per group and collective in ``comm_stats()``'s format (the unit test
-checks it against the package's real counter on a small model, flat and hybrid).
+checks it against the package's real counter on a small model: flat, HSDP and HFSDP).
 
 Ring cost per rank: all-gather / reduce-scatter of an S-byte full buffer over n ranks moves
 S*(n-1)/n bytes, all-reduce 2*S*(n-1)/n. Link: the inner group uses the fast link (``--inner-bw``,
@@ -44,16 +51,18 @@ T_compute = 6 * params * (micro-batch * seq * k) / (peak FLOP/s * mfu) (attentio
 a lower bound). Step-time lower bound (perfect overlap) = max(T_compute, T_inner, T_outer);
 no overlap = T_compute + T_inner + T_outer.
 
-Persistent memory per rank (main weights + Adam state + grads + compute-weight shards; no
-activations, no temporary full-unit buffers), summed over units:
+Persistent memory per rank (main weights + Adam state + grads + kept compute-weight shards, what
+``persistent_bytes()`` counts plus Adam state; no activations, no temporaries), summed over units:
 
 * flat ZeRO-3:  (m + 8 + g) * P/N
 * HSDP:         (m + 8 + g) * P/N_in
-* HFSDP:        (m + 8) * P/N + g * P/N_in + c * P/N_in
-  (the inner grad shard accumulating over micro-batches before the outer reduce-scatter, and the
-  inner shard of bf16 compute weights each rank keeps to gather from)
+* HFSDP:        (m + 8 + g) * P/N + c * P/N_in   (the inner shard of bf16 compute weights each
+  rank keeps to gather from)
 
-with P/n read as S_u(n) (HFSDP's P/N as S'_u / N_out).
+with P/n read as S_u(n) (HFSDP: S_u(N), and P/N_in as S_u(N) * N_out). HFSDP's inner grad shard,
+g * P/N_in, is a per-step temporary (allocated at a step's first inner reduce-scatter, freed after
+the outer one) and is reported apart (``inner_grad_shard``), not in the total; the other
+temporaries (full unit buffers of every scheme) are left out.
 """
 
 from __future__ import annotations
@@ -165,39 +174,51 @@ class Topology:
         return self.world // self.inner
 
 
-def shard_group_size(scheme: str, topo: Topology) -> int:
-    """Ranks the ZeRO-3 shards (and the per-micro-batch collectives) are taken over."""
+def effective_scheme(scheme: str, topo: Topology) -> str:
+    """The scheme that runs: HFSDP with one node (N_out = 1) is flat ZeRO-3 (module docstring)."""
     if scheme not in SCHEMES:
         raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}.")
-    return topo.world if scheme == "flat_zero3" else topo.inner
+    return "flat_zero3" if scheme == "hfsdp" and topo.outer == 1 else scheme
 
 
-def _outer_shard(inner_shard: int, outer: int) -> int:
-    """HFSDP: the inner shard padded to split evenly over the outer group."""
-    return -(-inner_shard // outer) * outer
+def shard_group_size(scheme: str, topo: Topology) -> int:
+    """Ranks the per-micro-batch collectives run over (the "shard" group of ``comm_stats()``)."""
+    return topo.world if effective_scheme(scheme, topo) == "flat_zero3" else topo.inner
+
+
+def layout_shards(scheme: str, topo: Topology) -> int:
+    """Shards each unit's flat buffer is laid out (padded) over: HSDP the inner group; flat
+    ZeRO-3 and HFSDP the world (HFSDP's world shard index is ``outer rank * N_in + inner rank``)."""
+    return topo.inner if effective_scheme(scheme, topo) == "hsdp" else topo.world
 
 
 def step_collectives(units, scheme: str, topo: Topology, micro_batches: int, dtypes: Dtypes = Dtypes(),
                      alignment: int = 1) -> list[Collective]:
     """Every collective of one optimizer step of ``scheme`` (module docstring), in issue order per
     unit, one record per call. ``units``: ``[(name, [shapes])]``, one parameter group each."""
+    scheme = effective_scheme(scheme, topo)
     n_shard = shard_group_size(scheme, topo)
+    # HFSDP: every inner collective is N_out calls, one per block of N_in world shards
+    blocks = topo.outer if scheme == "hfsdp" else 1
     out: list[Collective] = []
     for name, shapes in units:
-        layout = build_layout(shapes, n_shard, alignment)
-        full, shard = layout.total_numel, layout.shard_numel
+        layout = build_layout(shapes, layout_shards(scheme, topo), alignment)
+        block, shard = layout.total_numel // blocks, layout.shard_numel
         for mb in range(micro_batches):
-            out.append(Collective("all_gather", SHARD, dtypes.compute * full, n_shard, f"{name} fwd mb{mb}"))
-            out.append(Collective("all_gather", SHARD, dtypes.compute * full, n_shard, f"{name} bwd mb{mb}"))
-            out.append(Collective("reduce_scatter", SHARD, dtypes.grad * full, n_shard, f"{name} grads mb{mb}"))
+            for what, kind, size in (("fwd", "all_gather", dtypes.compute), ("bwd", "all_gather", dtypes.compute),
+                                     ("grads", "reduce_scatter", dtypes.grad)):
+                out.extend(Collective(kind, SHARD, size * block, n_shard, f"{name} {what} mb{mb} block{b}")
+                           for b in range(blocks))
         if topo.outer == 1 or scheme == "flat_zero3":
             continue
         if scheme == "hsdp":
             out.append(Collective("all_reduce", ACROSS, dtypes.grad * shard, topo.outer, f"{name} grad shard"))
-        else:                                        # hfsdp
-            padded = _outer_shard(shard, topo.outer)
-            out.append(Collective("reduce_scatter", ACROSS, dtypes.grad * padded, topo.outer, f"{name} grad shard"))
-            out.append(Collective("all_gather", ACROSS, dtypes.compute * padded, topo.outer, f"{name} weights"))
+        else:                                        # hfsdp: the inner shard is N_out world shards
+            inner_shard = shard * topo.outer
+            out.append(Collective("reduce_scatter", ACROSS, dtypes.grad * inner_shard, topo.outer,
+                                  f"{name} inner grad shard"))
+            out.append(Collective("all_gather", ACROSS, dtypes.compute * inner_shard, topo.outer,
+                                  f"{name} inner weight shard (after the optimizer step)"))
     return out
 
 
@@ -236,23 +257,22 @@ def link_bytes_per_rank(collectives: Iterable[Collective], topo: Topology) -> di
 
 # ----------------------------------------------------------------------------------------- memory
 def memory_per_rank(units, scheme: str, topo: Topology, dtypes: Dtypes = Dtypes(), alignment: int = 1) -> dict:
-    """Persistent bytes per rank by role (module docstring); ``compute_weights`` is 0 for flat and
-    HSDP (ZeRO-3 keeps none between uses)."""
-    n_shard = shard_group_size(scheme, topo)
+    """Bytes per rank by role (module docstring). ``total``: the persistent ones (main weights,
+    Adam state, grads, kept compute weights; ``compute_weights`` is 0 for flat and HSDP: ZeRO-3
+    keeps none between uses). ``inner_grad_shard``: HFSDP's per-step temporary, not in ``total``."""
+    scheme = effective_scheme(scheme, topo)
     mem = {"main_weights": 0, "optimizer_state": 0, "grads": 0, "compute_weights": 0}
+    inner_grad_shard = 0
     for _, shapes in units:
-        shard = build_layout(shapes, n_shard, alignment).shard_numel
-        if scheme == "hfsdp":
-            owned = _outer_shard(shard, topo.outer) // topo.outer
-            mem["main_weights"] += dtypes.main * owned
-            mem["optimizer_state"] += ADAM_BYTES * owned
-            mem["grads"] += dtypes.grad * shard
-            mem["compute_weights"] += dtypes.compute * shard
-        else:
-            mem["main_weights"] += dtypes.main * shard
-            mem["optimizer_state"] += ADAM_BYTES * shard
-            mem["grads"] += dtypes.grad * shard
+        shard = build_layout(shapes, layout_shards(scheme, topo), alignment).shard_numel
+        mem["main_weights"] += dtypes.main * shard
+        mem["optimizer_state"] += ADAM_BYTES * shard
+        mem["grads"] += dtypes.grad * shard
+        if scheme == "hfsdp":                # the inner shard: this rank's world shard of every block
+            mem["compute_weights"] += dtypes.compute * shard * topo.outer
+            inner_grad_shard += dtypes.grad * shard * topo.outer
     mem["total"] = sum(mem.values())
+    mem["inner_grad_shard"] = inner_grad_shard
     return mem
 
 
@@ -332,12 +352,14 @@ def counted_table(rows: Sequence[Row]) -> str:
 
 
 def memory_table(rows: Sequence[Row]) -> str:
-    lines = ["| N | scheme | main weights | Adam state | grads | compute weights | total GiB |",
-             "|---:|---|---:|---:|---:|---:|---:|"]
+    lines = ["| N | scheme | main weights | Adam state | grads | compute weights | total GiB | "
+             "per-step temporary: inner grad shard |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         m = {k: v / 2**30 for k, v in r.memory.items()}
+        temporary = f"{m['inner_grad_shard']:.1f}" if r.memory["inner_grad_shard"] else "-"
         lines.append(f"| {r.world} | {SCHEME_LABELS[r.scheme]} | {m['main_weights']:.1f} | {m['optimizer_state']:.1f} "
-                     f"| {m['grads']:.1f} | {m['compute_weights']:.1f} | {m['total']:.1f} |")
+                     f"| {m['grads']:.1f} | {m['compute_weights']:.1f} | {m['total']:.1f} | {temporary} |")
     return "\n".join(lines)
 
 
@@ -412,11 +434,15 @@ def report(args, rows: Sequence[Row], argv: Sequence[str]) -> str:
         "",
         markdown_table(rows),
         "",
-        "Counted collectives per rank per step (calls / GB of full buffers, as `comm_stats()` counts them):",
+        "Counted collectives per rank per step (calls / GB of full buffers, as `comm_stats()` counts them; shard "
+        "group: the world for flat ZeRO-3, the node for HSDP and HFSDP, whose inner collectives are N_out block "
+        "calls each):",
         "",
         counted_table(rows),
         "",
-        "Persistent memory per rank (GiB):",
+        "Memory per rank (GiB): persistent state (total), and HFSDP's inner grad shard, which lives only "
+        "from a step's first inner reduce-scatter to its outer reduce-scatter. HFSDP at one node (N_out = 1) "
+        "is flat ZeRO-3 and is shown as such.",
         "",
         memory_table(rows),
         "",

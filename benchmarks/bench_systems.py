@@ -36,6 +36,7 @@ class System:
     strategy: Optional[str] = None  # ours / megatron_fsdp: Megatron's sharding-strategy name
     allocator: Optional[str] = None # ours
     reshard_after_forward: Optional[bool] = None  # fsdp2
+    reduce_root_per_child: bool = False             # ours: fully_shard(reduce_root_per_child=True)
 
     @property
     def cuda_only(self) -> bool:
@@ -46,7 +47,8 @@ class System:
         if self.kind == "floor":
             return "unwrapped fp32 model, autocast(bf16), fused AdamW"
         if self.kind == "ours":
-            return f"fully_shard({self.strategy}, allocator={self.allocator}) = {ZERO_NAME[self.strategy]}"
+            split = ", reduce_root_per_child=True" if self.reduce_root_per_child else ""
+            return f"fully_shard({self.strategy}, allocator={self.allocator}{split}) = {ZERO_NAME[self.strategy]}"
         if self.kind == "fsdp2":
             return (f"torch FSDP2 fully_shard, reshard_after_forward={self.reshard_after_forward} "
                     f"({'ZeRO-3' if self.reshard_after_forward else 'ZeRO-3, no reshard after fwd'})")
@@ -60,6 +62,8 @@ def all_systems() -> List[System]:
     for s in STRATEGIES:
         for a in ALLOCATORS:
             systems.append(System(f"ours-{s}-{ALLOC_SHORT[a]}", "ours", strategy=s, allocator=a))
+    systems.append(System("ours-optim_grads_params-sf-rootsplit", "ours", strategy="optim_grads_params",
+                          allocator="storage_freeing", reduce_root_per_child=True))
     systems.append(System("fsdp2-zero3", "fsdp2", reshard_after_forward=True))
     systems.append(System("fsdp2-no_reshard", "fsdp2", reshard_after_forward=False))
     systems.append(System("megatron_ddp", "megatron_ddp", strategy="optim"))
@@ -110,17 +114,18 @@ def expected_state(system: System, n: int) -> Dict[str, Any]:
     if system.kind == "fsdp2":
         v = 16.0 / n
         return dict(formula="(4+4+8)/N", after_step=v, after_zero_grad=12.0 / n)
+    # ours: zero_grad(set_to_none=True) frees the gradient buffers (they live as long as .grad)
     strategy = system.strategy
     if strategy == "no_shard":
-        return dict(formula="2+4+4+8", after_step=18.0, after_zero_grad=18.0)
+        return dict(formula="2+4+4+8", after_step=18.0, after_zero_grad=14.0)
     if strategy == "optim":
         v = 2 + 4 + 12.0 / n
-        return dict(formula="2+4+(4+8)/N", after_step=v, after_zero_grad=v)
+        return dict(formula="2+4+(4+8)/N", after_step=v, after_zero_grad=2 + 12.0 / n)
     if strategy == "optim_grads":
         v = 2 + 16.0 / n
-        return dict(formula="2+(4+4+8)/N", after_step=v, after_zero_grad=v)
+        return dict(formula="2+(4+4+8)/N", after_step=v, after_zero_grad=2 + 12.0 / n)
     v = 16.0 / n
-    return dict(formula="(4+4+8)/N", after_step=v, after_zero_grad=v)
+    return dict(formula="(4+4+8)/N", after_step=v, after_zero_grad=12.0 / n)
 
 
 
@@ -275,7 +280,7 @@ def build_ours(ctx: Ctx, system: System) -> Built:
     gpt, _ = build_gpt(ctx, torch.float32)
     model = fully_shard(gpt, sharding_strategy=system.strategy, unit_modules=[TransformerLayer],
                         mixed_precision=MixedPrecisionPolicy(param_dtype=torch.bfloat16),
-                        allocator=system.allocator)
+                        allocator=system.allocator, reduce_root_per_child=system.reduce_root_per_child)
     del gpt
     opt = torch.optim.AdamW(model.parameters(), lr=ctx.args.lr, fused=_fused_ok(ctx))
 

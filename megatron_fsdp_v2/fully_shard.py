@@ -424,6 +424,7 @@ def fully_shard(
     expert_params: Optional[Callable[[str, nn.Parameter], bool]] = None,
     persistent_grads: bool = False,
     outer_sharding_strategy: str = "no_shard",
+    reduce_root_per_child: bool = False,
 ) -> nn.Module:
     """Shard ``module`` over ``process_group`` with a Megatron sharding strategy; returns it.
 
@@ -465,6 +466,11 @@ def fully_shard(
             inner x outer, compute weights gathered within the inner group; inner strategy
             ``optim_grads`` or ``optim_grads_params``; replicas.py, [Note: sharding across replicas
             (HFSDP)]).
+        reduce_root_per_child: the root unit's parameters form one gradient group per top-level
+            child module (and one for the root's own) instead of one, so each is reduced as soon as
+            its gradients are complete: a GPT's output layer at the start of backward, its
+            embedding at the end, and ZeRO-2/3's temporary gradient buffer of the root never holds
+            both through the whole backward. Weights are still gathered unit by unit.
         persistent_grads: ``False`` (FSDP2's behaviour): the reduced-gradient buffers live as long as
             the optimizer's ``.grad`` views of them, so ``zero_grad(set_to_none=True)`` frees them and
             the next backward allocates them again as late as possible; ``True``: kept between
@@ -490,6 +496,8 @@ def fully_shard(
         raise ValueError(f"unused_param_grads must be 'none' or 'zeros', got {unused_param_grads!r}.")
     if not isinstance(dtensor_params, bool):
         raise TypeError(f"dtensor_params must be True or False, got {dtensor_params!r}.")
+    if not isinstance(reduce_root_per_child, bool):
+        raise TypeError(f"reduce_root_per_child must be True or False, got {reduce_root_per_child!r}.")
     if not isinstance(persistent_grads, bool):
         raise TypeError(f"persistent_grads must be True or False, got {persistent_grads!r}.")
     if init_fn is not None and not callable(init_fn):
@@ -543,6 +551,7 @@ def fully_shard(
         "dtensor_params": str(dtensor_params),
         "persistent_grads": str(persistent_grads),
         "outer_sharding_strategy": outer_sharding_strategy,
+        "reduce_root_per_child": str(reduce_root_per_child),
         "expert parameters": ",".join(n for n, p in module.named_parameters() if id(p) in experts),
     }
     for group_comm in (comm, replicas, expert_comm):
@@ -566,11 +575,13 @@ def fully_shard(
         full_precision = full_precision_param_ids(spec.module, policy)
         buckets: "OrderedDict[tuple, list]" = OrderedDict()
         for first_name, names, param in spec.params:
-            key = (param.dtype, param.requires_grad, id(param) in full_precision, id(param) in experts)
+            child = first_name.split(".", 1)[0] if reduce_root_per_child and spec.is_root and "." in first_name else ""
+            key = (param.dtype, param.requires_grad, id(param) in full_precision, id(param) in experts, child)
             buckets.setdefault(key, []).append((first_name, names, param))
         groups = []
-        for (dtype, requires_grad, keep_precision, expert), entries in buckets.items():
-            tag = (f"{spec.fqn or '<root>'}/{str(dtype).replace('torch.', '')}/{'grad' if requires_grad else 'frozen'}"
+        for (dtype, requires_grad, keep_precision, expert, child), entries in buckets.items():
+            tag = (f"{spec.fqn or '<root>'}{'/' + child if child else ''}/{str(dtype).replace('torch.', '')}/"
+                   f"{'grad' if requires_grad else 'frozen'}"
                    f"{'/full_precision' if keep_precision else ''}{'/experts' if expert else ''}")
             group = ParamGroup(tag, [e[2] for e in entries], [e[0] for e in entries], strategy,
                                expert_comm if expert else shard_comm,

@@ -74,3 +74,40 @@ def test_zero_grad_set_to_none_frees_the_grad_shard_unless_persistent_grads():
         held, freed = result[False]
         assert held > 0 and freed == 0
         assert result[True] == (held, held)
+
+
+def root_split_worker(rank, world_size):
+    from .scenarios import loss_fn, make_batches
+
+    out = {}
+    for split in (False, True):
+        torch.manual_seed(0)
+        model = fully_shard(UnevenNet(), sharding_strategy="optim_grads_params", unit_modules=[Block],
+                            reduce_root_per_child=split)
+        alloc = model._fsdp_engine.allocator
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        root_groups = [g.name for g in model._fsdp_engine.units[0].groups]
+        peaks = []
+        for step in range(2):
+            x, y = make_batches(step, rank, 1)[0]
+            out_ = model(x)
+            alloc.reset_peak()
+            loss_fn(out_, y).backward()
+            peaks.append(alloc.peak_live_bytes)
+            opt.step()
+            opt.zero_grad()
+        out[split] = (root_groups, peaks, model.full_state_dict())
+    return out
+
+
+def test_reduce_root_per_child_splits_the_root_groups_and_lowers_the_backward_peak():
+    """UnevenNet's root holds proj (used first in forward, its grads last in backward), head (grads
+    first) and the 0-d offset: one group each, reduced as each completes, so the root's temporary
+    gradient buffer never holds proj and head together; training is unchanged."""
+    for result in run_distributed(root_split_worker, 2):
+        (one, peaks_one, state_one), (split, peaks_split, state_split) = result[False], result[True]
+        assert one == ["<root>/float32/grad"]
+        assert sorted(split) == ["<root>/float32/grad", "<root>/head/float32/grad", "<root>/proj/float32/grad"]
+        assert all(b < a for a, b in zip(peaks_one, peaks_split)), (peaks_one, peaks_split)
+        for name, value in state_one.items():
+            torch.testing.assert_close(state_split[name], value, rtol=1e-6, atol=1e-7)

@@ -225,7 +225,10 @@ class TrainResult(NamedTuple):
 
 def _reduce_lm_loss(forward_data_store, dp_group) -> tuple:
     """Megatron training.py style: sum [loss_sum, num_tokens] over micro-batches, then DP."""
-    total = torch.zeros(2, dtype=torch.float64)
+    # on the device the losses live on: NCCL reduces only CUDA tensors (benchmarks/validate_moe.py
+    # runs this on GPUs)
+    device = forward_data_store[0]["lm loss"].device if forward_data_store else torch.device("cpu")
+    total = torch.zeros(2, dtype=torch.float64, device=device)
     for d in forward_data_store:
         total += d["lm loss"].double()
     local = (total[0] / total[1]).item()

@@ -452,3 +452,33 @@ def state_dicts_equal(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor], at
 # manager (undone on exit, also when the case raises), and the pool tears down Megatron's parallel
 # state / global variables a case left set and retires a worker that still has the patches applied.
 from tests.dist_pool import run_distributed  # noqa: E402
+
+
+def wrap_through_the_launcher(world: int, flags: list, parallel_state_kwargs: Callable, build: Callable):
+    """Megatron-LM's argument parsing and validation of the test launcher arguments plus ``flags``
+    (``examples/pretrain_gpt.py``), Megatron's parallel state from ``parallel_state_kwargs(args)``,
+    then ``get_model``'s wrapping call under the launcher's hook on ``build(args)``'s
+    ``(model, config)``. Returns ``(args, chunk)``; the chunk must be ``FullyShardedDataParallel``."""
+    import os
+
+    from megatron.training import training
+
+    from examples import pretrain_gpt
+    from megatron_fsdp_v2.megatron import FullyShardedDataParallel
+    from tests.unit.test_megatron_model_parallel import LAUNCHER_ARGS
+
+    saved_env = os.environ.get("WORLD_SIZE")
+    os.environ["WORLD_SIZE"] = str(world)
+    try:
+        args = pretrain_gpt.parse_args(LAUNCHER_ARGS + flags)
+    finally:
+        os.environ.pop("WORLD_SIZE") if saved_env is None else os.environ.__setitem__("WORLD_SIZE", saved_env)
+    with patch_megatron_for_cpu():
+        init_megatron_parallel_state(world, **parallel_state_kwargs(args))
+        model, config = build(args)
+        with pretrain_gpt.use_fully_sharded_data_parallel():
+            (chunk,) = training.wrap_model_chunks_with_ddp([model], config, training.get_megatron_ddp_config(args),
+                                                          DP=training.DDP, pg_collection=None, bucket_sizes=[None],
+                                                          disable_bucketing_per_chunk=[False])
+    assert type(chunk) is FullyShardedDataParallel, type(chunk)
+    return args, chunk

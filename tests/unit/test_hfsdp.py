@@ -20,29 +20,18 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
 from megatron_fsdp_v2 import fully_shard
 
 from .dist_utils import run_distributed
 from .models import Block, UnevenNet
-from .test_hybrid_sharding import K, STEPS, _hybrid_groups, _train
+from .test_hybrid_sharding import K, STEPS, _hybrid_groups, _train, ddp_reference_and_groups
 
 HFSDP_STRATEGIES = ("optim_grads", "optim_grads_params")
 
 
 def parity_worker(rank, world, shard_size, use_mesh, twice):
-    torch.manual_seed(0)
-    reference = DistributedDataParallel(UnevenNet())
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
-    _train(reference, ref_opt, rank, twice=twice)
-    want = {n: p.detach().clone() for n, p in reference.module.state_dict().items()}
-    if use_mesh:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        groups = init_device_mesh("cpu", (world // shard_size, shard_size), mesh_dim_names=("replicate", "shard"))
-    else:
-        groups = _hybrid_groups(world, shard_size)
+    want, groups = ddp_reference_and_groups(rank, world, shard_size, use_mesh, twice)
     out = {}
     for strategy in HFSDP_STRATEGIES:
         torch.manual_seed(rank)          # other weights on every rank: wrapping must start from rank 0's

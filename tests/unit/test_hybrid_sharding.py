@@ -58,19 +58,24 @@ def _train(model, optimizer, rank, twice=False):
         optimizer.zero_grad()
 
 
-def parity_worker(rank, world, shard_size, use_mesh):
+def ddp_reference_and_groups(rank, world, shard_size, use_mesh, twice=False):
+    """torch DDP's weights after ``_train`` over the whole world, and the hybrid groups to compare
+    with: an (outer, inner) pair or a 2-D mesh (replicate, shard)."""
     torch.manual_seed(0)
     reference = DistributedDataParallel(UnevenNet())
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
-    _train(reference, ref_opt, rank)
-    _train_twice = {}
+    _train(reference, ref_opt, rank, twice=twice)
     want = {n: p.detach().clone() for n, p in reference.module.state_dict().items()}
     if use_mesh:
         from torch.distributed.device_mesh import init_device_mesh
 
-        groups = init_device_mesh("cpu", (world // shard_size, shard_size), mesh_dim_names=("replicate", "shard"))
-    else:
-        groups = _hybrid_groups(world, shard_size)
+        return want, init_device_mesh("cpu", (world // shard_size, shard_size), mesh_dim_names=("replicate", "shard"))
+    return want, _hybrid_groups(world, shard_size)
+
+
+def parity_worker(rank, world, shard_size, use_mesh):
+    want, groups = ddp_reference_and_groups(rank, world, shard_size, use_mesh)
+    _train_twice = {}
     out = {}
     for strategy in STRATEGY_NAMES:
         torch.manual_seed(rank)          # other weights on every rank: wrapping must start from rank 0's

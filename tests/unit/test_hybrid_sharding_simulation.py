@@ -17,9 +17,7 @@ backward). The ring and link arithmetic is checked on its own.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -28,23 +26,13 @@ import torch.nn.functional as F
 
 from megatron_fsdp_v2 import MixedPrecisionPolicy, fully_shard
 from megatron_fsdp_v2.fully_shard import default_alignment
+from tests.benchmark_modules import load_benchmark_module
 
 from .dist_utils import run_distributed
 from .test_hybrid_sharding import _hybrid_groups
 
 
-def _load_simulation():
-    name = "hybrid_sharding_simulation"
-    if name not in sys.modules:
-        path = Path(__file__).resolve().parents[2] / "benchmarks" / f"{name}.py"
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-sim = _load_simulation()
+sim = load_benchmark_module("hybrid_sharding_simulation")
 
 K = 2                                    # micro-batches per step
 # Small, but with row-snapping padding at 2 and at 4 shards (so padding is part of what is checked).

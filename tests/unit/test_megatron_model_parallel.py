@@ -515,34 +515,17 @@ def test_hfsdp_instances_match_megatron_ddp_and_checkpoint(tmp_path):
 
 def launcher_instances_worker(rank, world, flags):
     """Megatron-LM's parsing and validation of the hybrid-sharding flags, then the launcher's wrapping."""
-    from megatron.training import training
+    from tests.megatron_cpu import wrap_through_the_launcher
 
-    from examples import pretrain_gpt
-    from megatron_fsdp_v2.megatron import FullyShardedDataParallel
-    from tests.megatron_cpu import init_megatron_parallel_state, patch_megatron_for_cpu
-
-    import os
-
-    saved_env = os.environ.get("WORLD_SIZE")
-    os.environ["WORLD_SIZE"] = str(world)
-    try:
-        args = pretrain_gpt.parse_args(LAUNCHER_ARGS + flags)
-    finally:
-        os.environ.pop("WORLD_SIZE") if saved_env is None else os.environ.__setitem__("WORLD_SIZE", saved_env)
-    with patch_megatron_for_cpu():
-        init_megatron_parallel_state(world, num_distributed_optimizer_instances=args.num_distributed_optimizer_instances)
-        ((model, config),) = _pipeline_chunks(1, 1, None)
-        with pretrain_gpt.use_fully_sharded_data_parallel():
-            (chunk,) = training.wrap_model_chunks_with_ddp([model], config, training.get_megatron_ddp_config(args),
-                                                          DP=training.DDP, pg_collection=None, bucket_sizes=[None],
-                                                          disable_bucketing_per_chunk=[False])
-        return (args.num_distributed_optimizer_instances, args.outer_dp_sharding_strategy,
-                type(chunk) is FullyShardedDataParallel, chunk.dp_group.size(), chunk.replica_group.size(),
-                chunk.module.comm_stats().get("whole_world") is not None)
+    args, chunk = wrap_through_the_launcher(
+        world, flags, lambda a: dict(num_distributed_optimizer_instances=a.num_distributed_optimizer_instances),
+        lambda a: _pipeline_chunks(1, 1, None)[0])
+    return (args.num_distributed_optimizer_instances, args.outer_dp_sharding_strategy, chunk.dp_group.size(),
+            chunk.replica_group.size(), chunk.module.comm_stats().get("whole_world") is not None)
 
 
 @pytest.mark.parametrize("outer", ["no_shard", "optim"])
 def test_launcher_accepts_distributed_optimizer_instances(outer):
     flags = ["--num-distributed-optimizer-instances", "2", "--outer-dp-sharding-strategy", outer]
     for parsed in run_distributed(launcher_instances_worker, 4, flags, timeout=900):
-        assert parsed == (2, outer, True, 2, 2, outer == "optim")
+        assert parsed == (2, outer, 2, 2, outer == "optim")

@@ -27,11 +27,9 @@ if importlib.util.find_spec("megatron.core") is None:
 
 from tests.megatron_cpu import run_distributed  # noqa: E402
 
-STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
-ITERS, NMB, MBS, SEQ, VOCAB = 5, 3, 2, 16, 64
-MODEL_SEED, DATA_SEED = 1234, 100
-LR, CLIP, WD, ADAM_EPS = 1e-2, 1.0, 0.1, 1e-6
-TOL = 1e-5
+from tests.unit.test_megatron_model_parallel import (ADAM_EPS, CLIP, DATA_SEED, ITERS, LR, MBS,  # noqa: E402
+                                                     MODEL_SEED, NMB, SEQ, STRATEGIES, TOL, VOCAB, WD)
+
 EXPERTS = 4
 
 
@@ -227,33 +225,15 @@ def test_checkpoint_saved_at_ep2_dp2_loads_at_ep1_dp4(tmp_path, save_strategy, l
 
 # ---------------------------------------------------------------- launcher
 def launcher_worker(rank, world, flags):
-    from megatron.training import training
+    from tests.megatron_cpu import wrap_through_the_launcher
 
-    from examples import pretrain_gpt
-    from megatron_fsdp_v2.megatron import FullyShardedDataParallel
-    from tests.megatron_cpu import init_megatron_parallel_state, patch_megatron_for_cpu
-    from tests.unit.test_megatron_model_parallel import LAUNCHER_ARGS
-
-    import os
-
-    saved_env = os.environ.get("WORLD_SIZE")
-    os.environ["WORLD_SIZE"] = str(world)
-    try:
-        args = pretrain_gpt.parse_args(LAUNCHER_ARGS + flags)
-    finally:
-        os.environ.pop("WORLD_SIZE") if saved_env is None else os.environ.__setitem__("WORLD_SIZE", saved_env)
-    with patch_megatron_for_cpu():
-        init_megatron_parallel_state(world, expert_model_parallel_size=args.expert_model_parallel_size)
-        model, config = _moe_model(1, args.expert_model_parallel_size)
-        with pretrain_gpt.use_fully_sharded_data_parallel():
-            (chunk,) = training.wrap_model_chunks_with_ddp([model], config, training.get_megatron_ddp_config(args),
-                                                          DP=training.DDP, pg_collection=None, bucket_sizes=[None],
-                                                          disable_bucketing_per_chunk=[False])
-        return (args.num_experts, args.expert_model_parallel_size, type(chunk) is FullyShardedDataParallel,
-                chunk.dp_group.size(), chunk.expt_dp_group.size())
+    args, chunk = wrap_through_the_launcher(
+        world, flags, lambda a: dict(expert_model_parallel_size=a.expert_model_parallel_size),
+        lambda a: _moe_model(1, a.expert_model_parallel_size))
+    return args.num_experts, args.expert_model_parallel_size, chunk.dp_group.size(), chunk.expt_dp_group.size()
 
 
 def test_launcher_accepts_expert_parallel_flags():
     flags = ["--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"]
     for parsed in run_distributed(launcher_worker, 4, flags, timeout=900):
-        assert parsed == (4, 2, True, 4, 2)
+        assert parsed == (4, 2, 4, 2)

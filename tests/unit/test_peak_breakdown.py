@@ -7,25 +7,12 @@ The snapshots have the layout of ``torch.cuda.memory._snapshot()``: ``segments``
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-
-def _load():
-    name = "peak_breakdown"
-    if name not in sys.modules:
-        path = Path(__file__).resolve().parents[2] / "benchmarks" / f"{name}.py"
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+from tests.benchmark_modules import load_benchmark_module
 
 
-pb = _load()
+pb = load_benchmark_module("peak_breakdown")
 
 OURS = "/repo/megatron_fsdp_v2/"
 FSDP = "/venv/lib/python3.12/site-packages/torch/distributed/fsdp/_fully_shard/"

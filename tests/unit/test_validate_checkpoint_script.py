@@ -23,15 +23,10 @@ if importlib.util.find_spec("megatron.core") is None:
 
 from tests.megatron_cpu import run_distributed  # noqa: E402
 
-SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                      "benchmarks", "validate_megatron_checkpoint.py")
-
-
 def _script():
-    spec = importlib.util.spec_from_file_location("validate_megatron_checkpoint", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from tests.benchmark_modules import load_benchmark_module
+
+    return load_benchmark_module("validate_megatron_checkpoint")
 
 
 def save_worker(rank, world_size, path, strategy):

@@ -36,7 +36,7 @@ def _measure(world, strategy: str, spec) -> dict:
     alloc = model._fsdp_engine.allocator
     k = spec.micro_batches
     data = harness.batches(spec, world.rank, world, n=2 * k)
-    phases, live_after = [], []
+    phases, live_after, persistent = [], [], []
     for step in range(2):             # step 0 creates Adam's state; step 1 is measured
         if step == 1 and cuda:
             torch.cuda.synchronize(world.device)
@@ -47,6 +47,8 @@ def _measure(world, strategy: str, spec) -> dict:
             out = fn()
             if phase != "step":
                 phases.append((step, i, phase, alloc.peak_live_bytes))
+            else:       # what a rank keeps, read before zero_grad(set_to_none=True) frees the grads
+                persistent.append(model.persistent_bytes())
             return out
 
         harness.plain_step(model, optimizer, data[step * k:(step + 1) * k], world, phase_hook=hook)
@@ -59,7 +61,7 @@ def _measure(world, strategy: str, spec) -> dict:
     unit_sizes = {(g.layout.total_numel * g.dtypes.compute.itemsize, g.layout.total_numel * g.dtypes.grad_comm.itemsize)
                   for u in units[1:] for g in u.groups}
     result = dict(
-        persistent=model.persistent_bytes(),
+        persistent=persistent[-1],
         padded=[g.layout.total_numel for g in model._fsdp_engine.groups],
         expected_padded=harness.expected_group_numels(info, world.size, 64 if cuda else 1),
         groups_per_unit=[len(u.groups) for u in units],

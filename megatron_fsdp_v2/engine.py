@@ -298,7 +298,7 @@ class Engine:
         for group in self.groups:
             group.begin_backward()
         if self.main_grads_attached and self._optimizer_cleared_grads():
-            self.zero_grads()
+            self.zero_grads(release=True)
 
     def _optimizer_cleared_grads(self) -> bool:
         """``optimizer.zero_grad(set_to_none=True)`` left ``.grad`` None: start a fresh accumulation.
@@ -490,14 +490,15 @@ class Engine:
         self._reduce_across_replicas()
         self._attach_main_grads()
 
-    def zero_grads(self) -> None:
-        """Zero every gradient buffer and forget which parameters got gradients."""
+    def zero_grads(self, release: bool = False) -> None:
+        """Zero every gradient buffer and forget which parameters got gradients (``release``: the
+        ``.grad`` views were set to None; let the buffers go instead, see ParamGroup.zero_grads)."""
         if self.backward_died():
             self.reset_iteration()
             return
         self.wait_gradient_reduces()
         for group in self.groups:
-            group.zero_grads()
+            group.zero_grads(release)
         self.main_grads_attached = False
 
     # ------------------------------------------------------------------ recovery

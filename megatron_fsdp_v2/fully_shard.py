@@ -133,7 +133,7 @@ class FullyShardedModule:
         """Zero the gradient buffers (recovering from a failed backward first); ``set_to_none``
         also sets the main parameters' ``.grad`` to None, as ``nn.Module.zero_grad``."""
         engine = self._fsdp_engine
-        engine.zero_grads()
+        engine.zero_grads(release=set_to_none)
         if set_to_none:
             for group in engine.groups:
                 for main in group.main_params:

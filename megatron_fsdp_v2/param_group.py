@@ -560,10 +560,15 @@ class ParamGroup:
             else:
                 main.grad = self.facing_optimizer(view, index)
 
-    def zero_grads(self) -> None:
+    def zero_grads(self, release: bool = False) -> None:
+        """Start a fresh accumulation. ``release`` (the optimizer set ``.grad`` to None): without
+        ``persistent_grads`` the buffer is let go rather than zeroed, so a ``.grad`` tensor the user
+        kept from before keeps its values, as torch's would; the next gradient gets a new buffer."""
         self._inner_grad = None
         if self._stash is not None:
             self._release_stash()
+        if release and not self.persistent_grads:
+            self._grads_held = self._grads_weak = None
         with torch.no_grad():
             for buffer in (self.full_grad, self.grad_shard):
                 if buffer is not None:

@@ -111,3 +111,34 @@ def test_reduce_root_per_child_splits_the_root_groups_and_lowers_the_backward_pe
         assert all(b < a for a, b in zip(peaks_one, peaks_split)), (peaks_one, peaks_split)
         for name, value in state_one.items():
             torch.testing.assert_close(state_split[name], value, rtol=1e-6, atol=1e-7)
+
+
+def kept_grad_worker(rank, world_size):
+    from .scenarios import loss_fn, make_batches
+
+    out = {}
+    for strategy in ("no_shard", "optim", "optim_grads", "optim_grads_params"):
+        torch.manual_seed(0)
+        model = fully_shard(UnevenNet(), sharding_strategy=strategy, unit_modules=[Block])
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        x, y = make_batches(0, rank, 1)[0]
+        loss_fn(model(x), y).backward()
+        kept = [p.grad for p in model.parameters() if p.grad is not None]
+        values = [g.detach().clone() for g in kept]
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        x, y = make_batches(1, rank, 1)[0]
+        loss_fn(model(x), y).backward()            # the next step's gradients
+        out[strategy] = (all(torch.equal(a, b) for a, b in zip(kept, values)), len(kept),
+                         any(not torch.equal(p.grad, v) for p, v in zip(model.parameters(), values)
+                             if p.grad is not None))
+    return out
+
+
+def test_a_grad_kept_across_zero_grad_set_to_none_keeps_its_values():
+    """As with torch: ``g = p.grad; optimizer.zero_grad(set_to_none=True); backward()`` leaves ``g``
+    as it was (the next gradients land in a new buffer, not in the one ``g`` views)."""
+    for result in run_distributed(kept_grad_worker, 2):
+        for strategy, (unchanged, count, new_grads_differ) in result.items():
+            assert count > 0 and unchanged, strategy
+            assert new_grads_differ, strategy

@@ -320,8 +320,8 @@ def _check_outer_sharding(outer_sharding_strategy: str, strategy, inner: Communi
         raise ValueError("outer_sharding_strategy='optim' shards across replicas: pass process_group=(outer, inner) "
                          "or a 2-D DeviceMesh (hybrid sharding).")
     if strategy.name not in HFSDP_STRATEGIES:
-        raise ValueError(f"outer_sharding_strategy='optim' needs an inner strategy that shards gradients, one of "
-                         f"{list(HFSDP_STRATEGIES)}; got sharding_strategy={strategy.name!r}.")
+        raise ValueError(f"outer_sharding_strategy='optim' shards the optimizer state of an inner strategy that "
+                         f"shards it, one of {list(HFSDP_STRATEGIES)}; got sharding_strategy={strategy.name!r}.")
     if inner.size * outer.size != dist.get_world_size():
         raise ValueError(f"outer_sharding_strategy='optim': the (outer, inner) groups must cover the whole world "
                          f"({dist.get_world_size()} ranks), got {outer.size} x {inner.size}.")
@@ -464,7 +464,7 @@ def fully_shard(
             main weights and optimizer state of its shard) or ``"optim"`` (HFSDP, Megatron's
             ``outer_dp_sharding_strategy``: main weights, gradients and optimizer state sharded over
             inner x outer, compute weights gathered within the inner group; inner strategy
-            ``optim_grads`` or ``optim_grads_params``; replicas.py, [Note: sharding across replicas
+            ``optim``, ``optim_grads`` or ``optim_grads_params``; replicas.py, [Note: sharding across replicas
             (HFSDP)]).
         reduce_root_per_child: the root unit's parameters form one gradient group per top-level
             child module (and one for the root's own) instead of one, so each is reduced as soon as

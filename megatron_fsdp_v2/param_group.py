@@ -414,6 +414,8 @@ class ParamGroup:
             def on_complete(inner_out=inner_out):
                 with torch.no_grad():
                     release_input()
+                    if not self.strategy.grads_sharded:
+                        self.full_grad.zero_()          # ZeRO-1: its local sums moved into the inner shard
                     if self._inner_grad is None:
                         self._inner_grad = torch.zeros(inner_out.numel(), dtype=self.dtypes.grad, device=self.device)
                     self._inner_grad.add_(inner_out.to(self._inner_grad.dtype), alpha=1.0 / divide_factor)
@@ -471,7 +473,14 @@ class ParamGroup:
             out = torch.empty(self.layout.shard_numel, dtype=inner_grad.dtype, device=self.device)
             replicas.reduce_scatter(out, inner_grad, label=f"grads of {self.name} across replicas")
             with torch.no_grad():
-                self._ensure_grads().add_(out, alpha=1.0 / replicas.size)
+                target = self._ensure_grads()
+                if not self.strategy.grads_sharded:      # ZeRO-1: this rank's world shard of full_grad
+                    target = target[self.shard_start:self.shard_end]
+                target.add_(out, alpha=1.0 / replicas.size)
+                if self._stash is not None:              # the mean of an earlier backward of this step
+                    target.add_(self._stash)
+                    self._release_stash()
+                self._own_region_holds_mean = not self.strategy.grads_sharded
             return
         buffer = self.main_grad_buffer()
         if buffer is None or replicas.size == 1:

@@ -70,13 +70,14 @@ def split_process_group(process_group) -> Tuple[Optional[dist.ProcessGroup], Opt
 # * Gradients: each micro-batch's reduce is N_out inner reduce-scatters, block by block, added into
 #   this rank's inner gradient shard (g * P / N_in, alive from the first reduce to the step's outer
 #   reduce); when the gradients are made final, one outer reduce-scatter leaves this rank its world
-#   shard, divided by the outer size.
+#   shard, divided by the outer size. ZeRO-1 inside reduces once per step from its full-size buffer
+#   and keeps its world shard in that buffer's region of it, as flat ZeRO-1 does.
 #
 # Per step the inner group moves the strategy's bytes (in N_out calls each), the outer group one
 # reduce-scatter of g * P / N_in and one all-gather of c * P / N_in: the bytes of HSDP's all-reduce,
 # while main weights and optimizer state shrink from P / N_in to P / W per rank.
 
-HFSDP_STRATEGIES = ("optim_grads", "optim_grads_params")
+HFSDP_STRATEGIES = ("optim", "optim_grads", "optim_grads_params")
 
 
 def gather_blocks(inner, full, source, world_shard: int, outer_size: int, async_op: bool, label: str) -> list:

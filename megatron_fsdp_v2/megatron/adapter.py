@@ -184,10 +184,10 @@ def _unsupported_settings(config: TransformerConfig, ddp_config: DistributedData
     check(outer == "optim" and ddp_config.num_distributed_optimizer_instances < 2,
           "outer_dp_sharding_strategy='optim' (--outer-dp-sharding-strategy) shards across distributed-optimizer "
           "instances: it needs num_distributed_optimizer_instances > 1 (--num-distributed-optimizer-instances)")
-    check(outer == "optim" and ddp_config.data_parallel_sharding_strategy not in ("optim_grads", "optim_grads_params"),
-          f"outer_dp_sharding_strategy='optim' (--outer-dp-sharding-strategy) with data_parallel_sharding_strategy="
-          f"{ddp_config.data_parallel_sharding_strategy!r}: the inner strategy must shard gradients "
-          "('optim_grads' or 'optim_grads_params')")
+    check(outer == "optim" and ddp_config.data_parallel_sharding_strategy == "no_shard",
+          "outer_dp_sharding_strategy='optim' (--outer-dp-sharding-strategy) with data_parallel_sharding_strategy="
+          "'no_shard': the inner strategy must shard the optimizer state ('optim', 'optim_grads' or "
+          "'optim_grads_params')")
     check(bool(getattr(ddp_config, "nccl_ub", False)),
           "nccl_ub=True (--use-nccl-ub): NCCL user-buffer registration is not supported")
     check(bool(getattr(ddp_config, "megatron_fsdp_use_decoupled_grad", False)),

@@ -3,7 +3,7 @@ weights, gradients and optimizer state sharded over the whole world, compute wei
 the inner group only (replicas.py, [Note: sharding across replicas (HFSDP)]).
 
 CPU gloo at 4 ranks (2 replicas x 2 shards, groups and a 2-D mesh) and 8 ranks (2 x 4), inner
-``optim_grads`` and ``optim_grads_params``:
+``optim``, ``optim_grads`` and ``optim_grads_params``:
 * training matches torch DDP over the world (3 steps of k=2 micro-batches, the first in
   ``no_sync()``, AdamW, rtol 1e-5), also with a second synchronized backward before ``step()``;
 * per rank the main weights are 1 / world of the model, the gradients 1 / world, ZeRO-3 keeps an
@@ -27,7 +27,7 @@ from .dist_utils import run_distributed
 from .models import Block, UnevenNet
 from .test_hybrid_sharding import K, STEPS, _hybrid_groups, _train, ddp_reference_and_groups
 
-HFSDP_STRATEGIES = ("optim_grads", "optim_grads_params")
+HFSDP_STRATEGIES = ("optim", "optim_grads", "optim_grads_params")
 
 
 def parity_worker(rank, world, shard_size, use_mesh, twice):
@@ -75,10 +75,12 @@ def _check_parity(results, world, shard_size, twice):
             assert across["all_gather"]["count"] == STEPS * len(sizes), (what, across)
             assert across["all_gather"]["bytes"] == STEPS * sum(t // shard_size * 4 for t, _, _, _ in sizes), what
             assert across["all_reduce"]["count"] == 0, what
-            # inner group: every micro-batch's reduce-scatter in N_out block calls, the full bytes
+            # inner group: every micro-batch's reduce-scatter (ZeRO-1: once a step, after no_sync)
+            # in N_out block calls, the full bytes
             full_grad_bytes = sum(t * 4 for t, _, _, _ in grad_groups)
-            assert stats["reduce_scatter"] == {"count": STEPS * K * len(grad_groups) * outer_size,
-                                               "bytes": STEPS * K * full_grad_bytes}, (what, stats)
+            reduces = 1 if strategy == "optim" else K
+            assert stats["reduce_scatter"] == {"count": STEPS * reduces * len(grad_groups) * outer_size,
+                                               "bytes": STEPS * reduces * full_grad_bytes}, (what, stats)
 
 
 @pytest.mark.parametrize("world,shard_size,use_mesh", [(4, 2, False), (4, 2, True), (8, 4, False)],
@@ -133,7 +135,7 @@ def refusals_worker(rank, world):
     strided_outer = [dist.new_group(r) for r in ([0, 1], [2, 3])][rank // 2]
     out = {}
     cases = {
-        "inner_strategy": dict(sharding_strategy="optim", process_group=(outer, inner)),
+        "inner_strategy": dict(sharding_strategy="no_shard", process_group=(outer, inner)),
         "not_hybrid": dict(sharding_strategy="optim_grads_params"),
         "unknown": dict(sharding_strategy="optim_grads_params", process_group=(outer, inner),
                         outer_sharding_strategy="optim_grads"),
@@ -151,9 +153,9 @@ def refusals_worker(rank, world):
 
 def test_hfsdp_refuses_what_it_cannot_shard_on_every_rank():
     for out in run_distributed(refusals_worker, 4):
-        assert out["inner_strategy"].startswith("outer_sharding_strategy='optim' needs an inner strategy that shards "
-                                                "gradients, one of ['optim_grads', 'optim_grads_params']; got "
-                                                "sharding_strategy='optim'")
+        assert out["inner_strategy"] == ("outer_sharding_strategy='optim' shards the optimizer state of an inner "
+                                         "strategy that shards it, one of ['optim', 'optim_grads', "
+                                         "'optim_grads_params']; got sharding_strategy='no_shard'.")
         assert out["not_hybrid"].startswith("outer_sharding_strategy='optim' shards across replicas: pass "
                                             "process_group=(outer, inner)")
         assert out["unknown"] == "outer_sharding_strategy must be 'no_shard' or 'optim', got 'optim_grads'."

@@ -204,7 +204,7 @@ def _error_cases(world_size):
     out["grad_accum_fusion"] = _expect_error(
         lambda: _build("optim", config_overrides=dict(gradient_accumulation_fusion=True)))
     out["fp8_param_gather"] = _expect_error(lambda: _build("optim_grads_params", fp8_param_gather=True))
-    out["outer_sharding"] = _expect_error(lambda: _build("optim", num_distributed_optimizer_instances=2,
+    out["outer_sharding"] = _expect_error(lambda: _build("no_shard", num_distributed_optimizer_instances=2,
                                                          outer_dp_sharding_strategy="optim"))
 
     tp_group = dist.new_group(list(range(world_size)))   # a real 2-rank "tensor-parallel" group

@@ -499,7 +499,7 @@ def test_hfsdp_instances_match_megatron_ddp_and_checkpoint(tmp_path):
     """--outer-dp-sharding-strategy optim with 2 instances x 2 ranks (HFSDP): parity with Megatron DDP
     over all 4 ranks, every rank's checkpoint boxes are main replicas (no copies across instances),
     and the checkpoint loads into one instance of 4 ranks bitwise."""
-    strategies = ("optim_grads", "optim_grads_params")
+    strategies = ("optim", "optim_grads", "optim_grads_params")
     results = run_distributed(instances_worker, 4, str(tmp_path), strategies, "optim", timeout=900)
     for rank, (out, saved, loaded) in enumerate(results):
         for strategy in strategies:

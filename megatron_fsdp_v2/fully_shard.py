@@ -526,6 +526,10 @@ def fully_shard(
                          "the model once with unit_modules=[...] and the (outer, inner) groups.")
     from_meta = all(p.is_meta for p in module.parameters()) and has_meta_state(module)
     experts = expert_param_ids(module, expert_params)
+    if expert_params is not None and not experts:
+        raise ValueError(f"expert_params: selected no parameter of {type(module).__name__} (it is called as "
+                         "expert_params(name, parameter) on every parameter); pass expert_process_group and "
+                         "expert_params only for a model with expert parameters.")
     if experts and (from_meta or inner_policies):
         raise ValueError("expert_process_group: expert parameters are supported on a model whose parameters exist "
                          "and that no earlier fully_shard call wrapped parts of; "

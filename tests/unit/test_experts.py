@@ -189,6 +189,9 @@ def refusal_worker(rank, world, case):
             model = fully_shard(MoENet(1), sharding_strategy="optim", expert_process_group=expert_group,
                                 expert_params=lambda n, p: ".experts." in n)
             model.state_dict()
+        elif case == "none_selected":
+            fully_shard(MoENet(1), sharding_strategy="optim", expert_process_group=expert_group,
+                        expert_params=lambda n, p: False)
         elif case == "meta":
             with torch.device("meta"):
                 net = MoENet(1)
@@ -203,6 +206,7 @@ def refusal_worker(rank, world, case):
     ("half", "expert_process_group and expert_params go together"),
     ("checkpoint", "names repeat across expert-parallel ranks"),
     ("meta", "meta device"),
+    ("none_selected", "expert_params: selected no parameter of MoENet"),
 ])
 def test_expert_arguments_are_checked_on_every_rank(case, words):
     messages = run_distributed(refusal_worker, 4, case)

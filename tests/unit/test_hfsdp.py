@@ -25,7 +25,7 @@ from megatron_fsdp_v2 import fully_shard
 
 from .dist_utils import run_distributed
 from .models import Block, UnevenNet
-from .test_hybrid_sharding import K, STEPS, _hybrid_groups, _train, ddp_reference_and_groups
+from .test_hybrid_sharding import K, STEPS, _hybrid_groups, _train, checkpoint_worker, ddp_reference_and_groups
 
 HFSDP_STRATEGIES = ("optim", "optim_grads", "optim_grads_params")
 
@@ -93,25 +93,6 @@ def test_hfsdp_matches_ddp_over_the_world(world, shard_size, use_mesh):
 def test_hfsdp_second_synchronized_backward_stays_exact():
     results = run_distributed(parity_worker, 4, 2, False, True, timeout=600)
     _check_parity(results, 4, 2, True)
-
-
-def checkpoint_worker(rank, world, root, save, layout, strategy, outer_sharding):
-    from megatron_fsdp_v2 import load_checkpoint, save_checkpoint
-    from tests.state_gather import full_optimizer_state
-
-    groups = _hybrid_groups(world, int(layout.split("x")[1])) if "x" in layout else None
-    torch.manual_seed(0 if save else 5)
-    model = fully_shard(UnevenNet(), sharding_strategy=strategy, unit_modules=[Block], process_group=groups,
-                        outer_sharding_strategy=outer_sharding)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    if save:
-        _train(model, optimizer, rank)
-        save_checkpoint(f"{root}/ckpt", model, optimizer)
-    else:
-        load_checkpoint(f"{root}/ckpt", model, optimizer)
-    # HFSDP shards are disjoint over the world; HSDP's repeat across replicas (sum over the inner group)
-    group = None if (groups is None or outer_sharding == "optim") else groups[1]
-    return model.full_state_dict(), full_optimizer_state(model, optimizer, group)
 
 
 def test_hfsdp_checkpoints_load_flat_hybrid_and_on_one_rank(tmp_path):

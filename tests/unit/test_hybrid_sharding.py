@@ -166,22 +166,24 @@ def test_hybrid_sharding_refuses_unaveraged_steps_and_crossed_groups():
                                         "inner shard group)")
 
 
-def checkpoint_worker(rank, world, root, save, layout, strategy):
+def checkpoint_worker(rank, world, root, save, layout, strategy, outer_sharding="no_shard"):
     """Save after 2 steps (or load) with ``save_checkpoint`` at ``layout``: "<replicas>x<shards>"
-    (hybrid) or "flat"."""
+    (hybrid) or "flat"; ``outer_sharding``: fully_shard's ``outer_sharding_strategy`` (HFSDP: "optim")."""
     from megatron_fsdp_v2 import load_checkpoint, save_checkpoint
     from tests.state_gather import full_optimizer_state
 
     groups = _hybrid_groups(world, int(layout.split("x")[1])) if "x" in layout else None
     torch.manual_seed(0 if save else 5)
-    model = fully_shard(UnevenNet(), sharding_strategy=strategy, unit_modules=[Block], process_group=groups)
+    model = fully_shard(UnevenNet(), sharding_strategy=strategy, unit_modules=[Block], process_group=groups,
+                        outer_sharding_strategy=outer_sharding)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     if save:
         _train(model, optimizer, rank)
         save_checkpoint(f"{root}/ckpt", model, optimizer)
     else:
         load_checkpoint(f"{root}/ckpt", model, optimizer)
-    group = groups[1] if groups is not None else None
+    # HSDP's shards repeat across replicas (sum within the inner group); HFSDP's are disjoint over the world
+    group = None if (groups is None or outer_sharding == "optim") else groups[1]
     return model.full_state_dict(), full_optimizer_state(model, optimizer, group)
 
 

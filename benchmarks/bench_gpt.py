@@ -252,11 +252,30 @@ def results_markdown(meta: Dict[str, Any], results: List[Dict[str, Any]]) -> str
             f"{_fmt(pb['total'] / GIB, g) if pb else '-'} | {_fmt(comm / 1e9, '.3f') if comm is not None else '-'} | "
             f"{_fmt(r.get('build_s'), '.1f')} |")
     out += ["", formula_table(meta["world"], meta["num_params"]), ""]
-    notes = [f"- {r['name']}: {'; '.join(r['notes'])}" for r in results if r.get("notes")]
-    notes += [f"- {n}" for n in meta.get("notes", [])]
-    if notes:
-        out += ["Notes:", ""] + notes + [""]
+    out += notes_markdown(results, meta)
     return "\n".join(out)
+
+
+def notes_markdown(rows: list, meta: dict) -> list:
+    """The "Notes:" lines of a results page: each system's notes, then the run's."""
+    notes = [f"- {r['name']}: {'; '.join(r['notes'])}" for r in rows if r.get("notes")]
+    notes += [f"- {n}" for n in meta.get("notes", [])]
+    return ["Notes:", ""] + notes + [""] if notes else []
+
+
+def add_model_arguments(group, defaults: dict, small_help: str) -> None:
+    """The GPT shape flags (``None`` means ``defaults[...]``; no ``layers`` key: no ``--layers``)."""
+    if "layers" in defaults:
+        group.add_argument("--layers", type=int, default=None,
+                           help=f"transformer layers (default {defaults['layers']}; --small: 2)")
+    group.add_argument("--hidden", type=int, default=None, help=f"hidden size (default {defaults['hidden']}; --small: 256)")
+    group.add_argument("--heads", type=int, default=None, help=f"attention heads (default {defaults['heads']}; --small: 4)")
+    group.add_argument("--ffn", type=int, default=None, help="MLP hidden size (default 4 x hidden)")
+    group.add_argument("--seq", type=int, default=None, help=f"sequence length (default {defaults['seq']}; --small: 256)")
+    group.add_argument("--micro-batch", type=int, default=None,
+                       help=f"micro-batch size (default {defaults['micro_batch']}; --small: 2)")
+    group.add_argument("--vocab", type=int, default=None, help=f"vocabulary size (default {defaults['vocab']}; --small: 4096)")
+    group.add_argument("--small", action="store_true", help=small_help)
 
 
 # =============================================================================================
@@ -267,15 +286,9 @@ def results_markdown(meta: Dict[str, Any], results: List[Dict[str, Any]]) -> str
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("model (defaults: the ~940M-parameter GPT)")
-    g.add_argument("--layers", type=int, default=None, help="transformer layers (default 16; --small: 2)")
-    g.add_argument("--hidden", type=int, default=None, help="hidden size (default 2048; --small: 256)")
-    g.add_argument("--heads", type=int, default=None, help="attention heads (default 16; --small: 4)")
-    g.add_argument("--ffn", type=int, default=None, help="MLP hidden size (default 4 x hidden)")
-    g.add_argument("--seq", type=int, default=None, help="sequence length (default 2048; --small: 256)")
-    g.add_argument("--micro-batch", type=int, default=None, help="micro-batch size (default 4; --small: 2)")
-    g.add_argument("--vocab", type=int, default=None, help="vocabulary size (default 32000; --small: 4096)")
-    g.add_argument("--small", action="store_true", help="smoke preset: 2 layers, hidden 256, 4 heads, seq 256, "
-                   "micro-batch 2, vocab 4096 (explicit flags still win)")
+    add_model_arguments(g, dict(layers=16, hidden=2048, heads=16, seq=2048, micro_batch=4, vocab=32000),
+                        "smoke preset: 2 layers, hidden 256, 4 heads, seq 256, micro-batch 2, vocab 4096 "
+                        "(explicit flags still win)")
     g.add_argument("--skip-init", action="store_true", help="perform_initialization=False (faster build, "
                    "uninitialised weights)")
     g = p.add_argument_group("run")

@@ -60,7 +60,7 @@ def elapsed() -> float:
     return time.time() - START
 
 
-from bench_gpt import RESULTS, _fmt, quiet_libraries, run_system  # noqa: E402
+from bench_gpt import RESULTS, _fmt, add_model_arguments, notes_markdown, quiet_libraries, run_system  # noqa: E402
 from bench_setup import (FULL_RECOMPUTE, Ctx, build_gpt, cleanup, count_params, init_distributed,  # noqa: E402
                          init_megatron, make_batch, prewarm_global_buffer)
 from bench_systems import (BUILDERS, GIB, Built, System, _forward_loss, _fused_ok,  # noqa: E402
@@ -533,10 +533,7 @@ def results_markdown(meta: Dict[str, Any], rows: List[Dict[str, Any]], current: 
     if goals:
         out += goals + [""]
     out += ["Systems:", ""] + [f"- {r['name']}: {r['description']}" for r in rows] + [""]
-    notes = [f"- {r['name']}: {'; '.join(r['notes'])}" for r in rows if r.get("notes")]
-    notes += [f"- {n}" for n in meta.get("notes", [])]
-    if notes:
-        out += ["Notes:", ""] + notes + [""]
+    out += notes_markdown(rows, meta)
     return "\n".join(out)
 
 
@@ -548,14 +545,9 @@ def results_markdown(meta: Dict[str, Any], rows: List[Dict[str, Any]], current: 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("model (the number of layers is what the search varies)")
-    g.add_argument("--hidden", type=int, default=None, help="hidden size (default 4096; --small: 256)")
-    g.add_argument("--heads", type=int, default=None, help="attention heads (default 32; --small: 4)")
-    g.add_argument("--ffn", type=int, default=None, help="MLP hidden size (default 4 x hidden)")
-    g.add_argument("--seq", type=int, default=None, help="sequence length (default 4096; --small: 256)")
-    g.add_argument("--micro-batch", type=int, default=None, help="micro-batch size (default 1; --small: 2)")
-    g.add_argument("--vocab", type=int, default=None, help="vocabulary size (default 32000; --small: 4096)")
-    g.add_argument("--small", action="store_true", help="dry-run preset: hidden 256, 4 heads, seq 256, micro-batch 2, "
-                   "vocab 4096 (explicit flags still win)")
+    add_model_arguments(g, dict(hidden=4096, heads=32, seq=4096, micro_batch=1, vocab=32000),
+                        "dry-run preset: hidden 256, 4 heads, seq 256, micro-batch 2, vocab 4096 (explicit flags "
+                        "still win)")
     g.add_argument("--no-recompute", dest="recompute", action="store_false",
                    help="no activation recompute (default: full recompute, uniform, 1 layer per unit)")
     g = p.add_argument_group("search")

@@ -52,7 +52,7 @@ T_START = time.perf_counter()
 
 # The process (bench_setup) and the systems (bench_systems); names re-exported for profile_step.py.
 from bench_setup import (Ctx, allocated, build_gpt, cleanup, count_params, init_distributed,  # noqa: E402
-                         init_megatron, make_batch, prewarm_global_buffer, sync)
+                         prepare_process, sync)
 from bench_systems import (BUILDERS, GIB, STRATEGIES, ZERO_NAME, Built, System,  # noqa: E402
                            all_systems, expected_state, release_autograd_hooks,
                            release_leftover_models, select_systems)
@@ -422,10 +422,7 @@ def main(argv=None) -> int:
 
     ctx = init_distributed(args)
     with contextlib.ExitStack() as stack:
-        init_megatron(ctx, stack)
-        make_batch(ctx)
-        if ctx.is_cuda:
-            prewarm_global_buffer(ctx)
+        prepare_process(ctx, stack)
         # Parameter count from a throw-away build on the meta-free path (cheap: freed at once).
         probe, _ = build_gpt(ctx, torch.bfloat16 if ctx.is_cuda else torch.float32)
         ctx.num_params = count_params(probe)

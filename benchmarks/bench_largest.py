@@ -62,7 +62,7 @@ def elapsed() -> float:
 
 from bench_gpt import RESULTS, _fmt, add_model_arguments, notes_markdown, quiet_libraries, run_system  # noqa: E402
 from bench_setup import (FULL_RECOMPUTE, Ctx, build_gpt, cleanup, count_params, init_distributed,  # noqa: E402
-                         init_megatron, make_batch, prewarm_global_buffer)
+                         prepare_process)
 from bench_systems import (BUILDERS, GIB, Built, System, _forward_loss, _fused_ok,  # noqa: E402
                            params_grads_optimizer_bytes, torch_optimizer_state_bytes)
 
@@ -695,10 +695,7 @@ def main(argv=None) -> int:
     systems = select(args.systems)
     ctx = init_distributed(args)
     with contextlib.ExitStack() as stack:
-        init_megatron(ctx, stack)
-        make_batch(ctx)
-        if ctx.is_cuda:
-            prewarm_global_buffer(ctx)
+        prepare_process(ctx, stack)
         counter = param_counter(ctx)
         meta = run_meta(ctx, counter)
         meta["systems"] = [s.name for s in systems]

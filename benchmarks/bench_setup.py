@@ -115,6 +115,15 @@ def prewarm_global_buffer(ctx: Ctx) -> None:
     ps.get_global_memory_buffer().get_tensor((a.micro_batch * a.heads, a.seq, a.seq), torch.bfloat16, "mpu")
 
 
+def prepare_process(ctx: Ctx, stack: contextlib.ExitStack) -> None:
+    """What every benchmark process does before its first system: Megatron's parallel state, the
+    token batch, and (GPUs) the shared attention buffer allocated up front."""
+    init_megatron(ctx, stack)
+    make_batch(ctx)
+    if ctx.is_cuda:
+        prewarm_global_buffer(ctx)
+
+
 def global_buffer_bytes() -> int:
     try:
         from megatron.core import parallel_state as ps

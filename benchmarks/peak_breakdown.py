@@ -641,10 +641,7 @@ def main(argv=None) -> int:
     results: List[Dict[str, Any]] = []
     t_all = time.perf_counter()
     with contextlib.ExitStack() as stack:
-        B.init_megatron(ctx, stack)
-        B.make_batch(ctx)
-        if ctx.is_cuda:
-            B.prewarm_global_buffer(ctx)
+        B.prepare_process(ctx, stack)
         probe, _ = B.build_gpt(ctx, torch.bfloat16 if ctx.is_cuda else torch.float32)
         ctx.num_params = B.count_params(probe)
         del probe

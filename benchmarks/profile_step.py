@@ -28,9 +28,7 @@ def main() -> int:
     systems = B.select_systems(args.systems)
     ctx = B.init_distributed(args)
     with contextlib.ExitStack() as stack:
-        B.init_megatron(ctx, stack)
-        B.make_batch(ctx)
-        B.prewarm_global_buffer(ctx)
+        B.prepare_process(ctx, stack)
         for system in systems:
             B.cleanup(ctx)
             built = B.BUILDERS[system.kind](ctx, system)

@@ -52,7 +52,7 @@ T_START = time.perf_counter()
 
 # The process (bench_setup) and the systems (bench_systems); names re-exported for profile_step.py.
 from bench_setup import (Ctx, allocated, build_gpt, cleanup, count_params, init_distributed,  # noqa: E402
-                         prepare_process, sync)
+                         finish_process, prepare_process, sync)
 from bench_systems import (BUILDERS, GIB, STRATEGIES, ZERO_NAME, Built, System,  # noqa: E402
                            all_systems, expected_state, release_autograd_hooks,
                            release_leftover_models, select_systems)
@@ -475,10 +475,7 @@ def main(argv=None) -> int:
             write_outputs(ctx, meta, results)
             print(f"systems {meta['total_s']:.0f} s, process {meta['wall_s']:.0f} s")
 
-        from megatron.core import parallel_state as ps
-        ps.destroy_model_parallel()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    finish_process()
     return 0
 
 

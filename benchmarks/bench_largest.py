@@ -62,7 +62,7 @@ def elapsed() -> float:
 
 from bench_gpt import RESULTS, _fmt, add_model_arguments, notes_markdown, quiet_libraries, run_system  # noqa: E402
 from bench_setup import (FULL_RECOMPUTE, Ctx, build_gpt, cleanup, count_params, init_distributed,  # noqa: E402
-                         prepare_process)
+                         finish_process, prepare_process)
 from bench_systems import (BUILDERS, GIB, Built, System, _forward_loss, _fused_ok,  # noqa: E402
                            params_grads_optimizer_bytes, torch_optimizer_state_bytes)
 
@@ -716,10 +716,7 @@ def main(argv=None) -> int:
         run.write(final=True)
         ctx.log(f"process {meta['wall_s']:.0f} s")
 
-        from megatron.core import parallel_state as ps
-        ps.destroy_model_parallel()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    finish_process()
     return 0
 
 

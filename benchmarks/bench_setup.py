@@ -124,6 +124,16 @@ def prepare_process(ctx: Ctx, stack: contextlib.ExitStack) -> None:
         prewarm_global_buffer(ctx)
 
 
+def finish_process() -> None:
+    """Megatron's parallel state and the process group, torn down at the end of a benchmark."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def global_buffer_bytes() -> int:
     try:
         from megatron.core import parallel_state as ps

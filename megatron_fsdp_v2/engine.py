@@ -103,7 +103,7 @@ class Engine:
     """Holds the units and runs the schedule above through hooks."""
 
     def __init__(self, root: nn.Module, units: list[Unit], strategy: ShardingStrategy, allocator, comm,
-                 replicas=None, experts=None) -> None:
+                 replicas=None, experts=None, world=None) -> None:
         self.root = root
         self.units = units
         self.strategy = strategy
@@ -111,7 +111,7 @@ class Engine:
         self.comm = comm
         self.replicas = replicas                 # hybrid sharding: the outer group (replicas.py)
         self.experts = experts                   # expert parameters' group, or None (experts.py)
-        self.world = None                        # HFSDP: the whole world the main weights are sharded over
+        self.world = world                       # HFSDP: the whole world the main weights are sharded over
         self.groups = [g for u in units for g in u.groups]
         self.phase = PhaseMachine()
         self.requires_gradient_sync = True       # False inside no_sync(): DDP / ZeRO-1 accumulate locally
@@ -382,7 +382,7 @@ class Engine:
     def _attach_main_grads(self) -> None:
         for group in self.groups:
             group.attach_main_grads(none_if_unused=self.unused_grads_are_none)
-            group.hand_grads_to_optimizer()
+            group.grads.hand_to_views()
         self.main_grads_attached = True
         if self.check_for_nan_in_grad:
             self._check_grads_finite()

@@ -9,7 +9,6 @@ the same names. What changes is what ``parameters()`` yields: the optimizer-faci
 from __future__ import annotations
 
 import contextlib
-import hashlib
 from collections import OrderedDict
 from typing import Callable, Iterator, NamedTuple, Optional, Sequence, Union
 
@@ -33,6 +32,8 @@ from .strategy import ShardingStrategy, get_strategy
 from .meta_init import has_meta_state, initialize_meta_model, replace_meta_parameters
 from .summon import summon_full_params
 from .units import assign_units
+from .wrap_checks import (check_hybrid_groups, check_outer_sharding, check_params, check_process_group,
+                          check_same_model_on_all_ranks, group_device, sync_module_states)
 
 
 def default_alignment(device: torch.device) -> int:
@@ -266,126 +267,6 @@ class FullyShardedModule:
                 yield name, buffer
 
 
-def _check_process_group(process_group) -> None:
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("fully_shard needs torch.distributed initialised (init_process_group) first.")
-    if process_group is dist.GroupMember.NON_GROUP_MEMBER:
-        raise ValueError(f"process_group: this process (global rank {dist.get_rank()}) is not a member of the "
-                         "given group; pass a group containing every data-parallel rank that calls fully_shard.")
-    if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
-        raise TypeError(f"process_group must be a torch.distributed.ProcessGroup or None, got {type(process_group).__name__}.")
-    size = dist.get_world_size(process_group)
-    if size < 1:
-        raise ValueError(f"process_group must have at least one rank, got size {size}.")
-    rank = dist.get_rank(process_group)
-    if not 0 <= rank < size:
-        raise ValueError(
-            f"process_group: this process (global rank {dist.get_rank()}) is not a member of the group "
-            f"(group rank {rank}, allowed 0..{size - 1}).")
-
-
-def _check_hybrid_groups(shards: Communicator, replicas: Communicator) -> None:
-    """Hybrid sharding: every outer (replicate) group must link ranks holding the same shard, i.e.
-    the same inner rank. A rank that finds otherwise in its outer group tells the others through
-    its inner group and then its outer group, so every rank of the data-parallel world raises."""
-    if dist.get_backend(shards.group) == "fake":
-        return
-    device = _group_device(shards)
-    inner_ranks = torch.empty(replicas.size, dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(inner_ranks, torch.tensor([shards.rank], dtype=torch.int64, device=device),
-                                group=replicas.group)
-    bad = torch.tensor([int(len(set(inner_ranks.tolist())) > 1)], dtype=torch.int64, device=device)
-    dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=shards.group)
-    dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=replicas.group)
-    if int(bad):
-        raise ValueError(
-            f"process_group: in an (outer, inner) pair every outer group must link the ranks with the same rank in "
-            f"their inner groups (the same shard); this rank's outer group links inner ranks {inner_ranks.tolist()} "
-            "(or another rank's does). Build the inner groups from consecutive ranks and the outer groups from "
-            "ranks with the same position, e.g. init_device_mesh(device, (replicas, shard_size)).")
-
-
-def _check_outer_sharding(outer_sharding_strategy: str, strategy, inner: Communicator,
-                          outer: Optional[Communicator]) -> Optional[Communicator]:
-    """HFSDP's preconditions; returns the Communicator of the whole world (None without HFSDP).
-    The layout's shard index is the global rank, so it must be ``outer rank * inner size + inner
-    rank`` (inner groups of consecutive ranks); a rank that finds otherwise makes every rank raise."""
-    from .replicas import HFSDP_STRATEGIES
-
-    if outer_sharding_strategy not in ("no_shard", "optim"):
-        raise ValueError(f"outer_sharding_strategy must be 'no_shard' or 'optim', got {outer_sharding_strategy!r}.")
-    if outer_sharding_strategy == "no_shard":
-        return None
-    if outer is None:
-        raise ValueError("outer_sharding_strategy='optim' shards across replicas: pass process_group=(outer, inner) "
-                         "or a 2-D DeviceMesh (hybrid sharding).")
-    if strategy.name not in HFSDP_STRATEGIES:
-        raise ValueError(f"outer_sharding_strategy='optim' shards the optimizer state of an inner strategy that "
-                         f"shards it, one of {list(HFSDP_STRATEGIES)}; got sharding_strategy={strategy.name!r}.")
-    if inner.size * outer.size != dist.get_world_size():
-        raise ValueError(f"outer_sharding_strategy='optim': the (outer, inner) groups must cover the whole world "
-                         f"({dist.get_world_size()} ranks), got {outer.size} x {inner.size}.")
-    device = _group_device(inner)
-    bad = torch.tensor([int(dist.get_rank() != outer.rank * inner.size + inner.rank)], dtype=torch.int64,
-                       device=device)
-    dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-    if int(bad):
-        raise ValueError("outer_sharding_strategy='optim': every rank's global rank must be outer rank x inner size "
-                         "+ inner rank (inner groups of consecutive ranks, e.g. init_device_mesh(..., (nodes, "
-                         "gpus_per_node))); this layout differs on some rank.")
-    return Communicator(None)
-
-
-def _check_params(module: nn.Module) -> torch.device:
-    params = list(module.parameters())
-    if not params:
-        raise ValueError(f"module: {type(module).__name__} has no parameters to shard.")
-    devices = sorted({str(p.device) for p in params})
-    if len(devices) > 1:
-        raise ValueError(f"module: all parameters must be on one device, got parameters on {devices}.")
-    for name, param in module.named_parameters():
-        if not param.is_floating_point():
-            raise TypeError(f"module: parameter {name!r} has dtype {param.dtype}; only floating-point "
-                            f"parameters can be sharded (float16, bfloat16, float32, float64).")
-    return params[0].device
-
-
-def _check_same_model_on_all_ranks(module: nn.Module, comm: Communicator, device: torch.device) -> None:
-    """Compare a digest of (name, shape, dtype) across ranks so a mismatch errors instead of hanging."""
-    if dist.get_backend(comm.group) == "fake":      # torch's fake group (memory studies): no real data moves
-        return
-    text = ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad}" for n, p in module.named_parameters())
-    digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
-    mine = torch.tensor([digest], dtype=torch.int64, device=device)
-    everyone = torch.empty(comm.size, dtype=torch.int64, device=device)
-    comm.all_gather(everyone, mine, label="model digest (wrap-time check)")
-    differing = [r for r, d in enumerate(everyone.tolist()) if d != digest]
-    if differing:
-        raise ValueError(
-            f"module: parameter names/shapes/dtypes differ between data-parallel ranks: rank {comm.rank} "
-            f"disagrees with ranks {differing}. Every rank must build the same model before fully_shard.")
-
-
-def _sync_module_states(module: nn.Module, comm: Communicator, skip: frozenset = frozenset(),
-                        only: Optional[set] = None) -> None:
-    """Every rank starts from rank 0's parameters and buffers, as torch DDP's constructor does:
-    replicas that began apart would otherwise drift apart (``no_shard``) or be stitched together
-    from pieces of different ranks' models (the sharded strategies). ``only``: just these
-    parameters (by id; no buffers); ``skip``: all but these."""
-    if comm.size == 1 or dist.get_backend(comm.group) == "fake":
-        return
-    params = [p.detach() for p in module.parameters() if id(p) not in skip and (only is None or id(p) in only)]
-    tensors = params + ([b for b in module.buffers() if b.numel()] if only is None else [])
-    comm.broadcast(tensors, src_group_rank=0, label="rank 0's parameters and buffers at wrap time")
-
-
-def _group_device(comm: Communicator) -> torch.device:
-    """Where a process group's tensors live: the current CUDA device for NCCL, else the CPU."""
-    if dist.get_backend(comm.group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def _initialize_from_meta(module: nn.Module, units: list, pending: dict, device: torch.device, init_fn) -> None:
     """Run meta_init's initializers, writing each parameter's values into its group's main weights,
     then rebuild the compute weights from them."""
@@ -474,7 +355,7 @@ def fully_shard(
         persistent_grads: ``False`` (FSDP2's behaviour): the reduced-gradient buffers live as long as
             the optimizer's ``.grad`` views of them, so ``zero_grad(set_to_none=True)`` frees them and
             the next backward allocates them again as late as possible; ``True``: kept between
-            steps (Megatron DDP's ``main_grad``) (param_group.py, [Note: gradient buffers live as
+            steps (Megatron DDP's ``main_grad``) (grad_buffer.py, [Note: gradient buffers live as
             long as .grad]).
 
     A module built on the meta device (``with torch.device("meta"):``) is materialized on the
@@ -505,19 +386,19 @@ def fully_shard(
     alloc = make_allocator(allocator)
     shard_group, replicate_group = split_process_group(process_group)
     check_expert_arguments(expert_process_group, expert_params, replicate_group is not None)
-    _check_process_group(shard_group)
+    check_process_group(shard_group)
     comm = Communicator(shard_group)
     expert_comm = None
     if expert_process_group is not None:
-        _check_process_group(expert_process_group)
+        check_process_group(expert_process_group)
         expert_comm = Communicator(expert_process_group)
         check_expert_group_inside(expert_comm, comm)
     replicas = None
     if replicate_group is not None:
-        _check_process_group(replicate_group)
+        check_process_group(replicate_group)
         replicas = Communicator(replicate_group)
-        _check_hybrid_groups(comm, replicas)
-    world = _check_outer_sharding(outer_sharding_strategy, strategy, comm, replicas)
+        check_hybrid_groups(comm, replicas)
+    world = check_outer_sharding(outer_sharding_strategy, strategy, comm, replicas)
     # Units (and their policies) of earlier fully_shard calls on submodules: their parameters are
     # made whole again here, then sharded with the rest.
     inner_policies = absorb_wrapped_submodules(module, strategy, comm, FullyShardedModule)
@@ -535,13 +416,13 @@ def fully_shard(
                          "and that no earlier fully_shard call wrapped parts of; "
                          + ("this one is on the meta device (every expert-parallel rank would initialize its "
                             "experts alike)." if from_meta else "wrap the model once with unit_modules=[...]."))
-    pending = replace_meta_parameters(module, _group_device(comm)) if from_meta else {}
-    device = _check_params(module)
+    pending = replace_meta_parameters(module, group_device(comm)) if from_meta else {}
+    device = check_params(module)
     specs = assign_units(module, unit_modules, unit_instances=[m for m, _ in inner_policies])
     policy_of = {id(m): policy for m, policy in inner_policies}
-    _check_same_model_on_all_ranks(module, comm, device)
+    check_same_model_on_all_ranks(module, comm, device)
     if replicas is not None:
-        _check_same_model_on_all_ranks(module, replicas, device)
+        check_same_model_on_all_ranks(module, replicas, device)
     agreed = {
         "sharding_strategy": strategy.name,
         "units": ",".join(spec.fqn or "<root>" for spec in specs),
@@ -562,11 +443,11 @@ def fully_shard(
         if group_comm is not None:
             check_ranks_agree(group_comm, device, agreed)
     if not from_meta:        # a meta model is initialized the same on every rank (same RNG state)
-        _sync_module_states(module, comm, skip=experts)   # inner groups first: each gets its rank 0's ...
+        sync_module_states(module, comm, skip=experts)   # inner groups first: each gets its rank 0's ...
         if replicas is not None:
-            _sync_module_states(module, replicas)   # ... then every replica gets replica 0's: global rank 0's
+            sync_module_states(module, replicas)   # ... then every replica gets replica 0's: global rank 0's
         if expert_comm is not None:                 # expert-parallel peers keep their own experts
-            _sync_module_states(module, expert_comm, only=experts)
+            sync_module_states(module, expert_comm, only=experts)
 
     alignment = default_alignment(device)
     shard_comm = world if world is not None else comm   # HFSDP: main weights sharded over the world
@@ -593,7 +474,7 @@ def fully_shard(
                                alignment, expert_mesh if expert else mesh,
                                levels=(comm, replicas) if world is not None else None)
             group.all_names = [e[1] for e in entries]
-            group.persistent_grads = persistent_grads
+            group.grads.persistent = persistent_grads
             group.param_dtype = dtype
             groups.append(group)
             for first_name, _, param in entries:
@@ -622,8 +503,7 @@ def fully_shard(
     module.__class__ = type(f"FullySharded{cls.__name__}", (FullyShardedModule, cls), {})
     module._fsdp_main_params = main_params
     module._fsdp_name_order = name_order
-    module._fsdp_engine = Engine(module, units, strategy, alloc, comm, replicas, expert_comm)
-    module._fsdp_engine.world = world
+    module._fsdp_engine = Engine(module, units, strategy, alloc, comm, replicas, expert_comm, world)
     module._fsdp_engine.check_for_nan_in_grad = bool(check_for_nan_in_grad)
     module._fsdp_engine.broadcast_buffers = bool(broadcast_buffers)
     module._fsdp_engine.unused_grads_are_none = unused_param_grads == "none"

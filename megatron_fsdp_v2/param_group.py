@@ -11,16 +11,7 @@ A group owns, per ``strategy.py``'s table:
   temporary full-size buffer from the allocator that lives from the unit's first gradient to the
   end of its reduce-scatter. With ``persistent_grads`` (Megatron's ``main_grad``) the group keeps
   them; otherwise, once the reduced gradients are attached as the optimizer's ``.grad``, those
-  views alone hold the buffer ([Note: gradient buffers live as long as .grad]).
-
-[Note: gradient buffers live as long as .grad]
-FSDP2 frees a parameter's gradient when ``optimizer.zero_grad(set_to_none=True)`` drops it, so the
-activation peak of the next forward finds no gradient memory. Here the group keeps only a weak
-reference to its gradient buffer after attaching the ``.grad`` views: when the optimizer drops
-every view the buffer is freed, and the next backward allocates a zeroed one as late as possible
-(ZeRO-2/3: when the group's first reduce-scatter lands; DDP/ZeRO-1: at its first gradient). A
-``.grad`` the user keeps, ``set_to_none=False`` or a further backward before ``step()`` keeps the
-buffer alive and everything accumulates as before.
+  views alone hold the buffer (grad_buffer.py, [Note: gradient buffers live as long as .grad]).
 
 The engine (``engine.py``) decides *when* to call ``unshard`` / ``reshard`` / ``reduce_grad``;
 this file decides *how*, from the table's booleans.
@@ -28,7 +19,6 @@ this file decides *how*, from the table's booleans.
 
 from __future__ import annotations
 
-import weakref
 from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
@@ -36,6 +26,7 @@ import torch.nn as nn
 
 from .allocators.base import Allocator
 from .comm import Communicator
+from .grad_buffer import GradBuffer
 from .layout import FlatLayout, build_layout
 from .row_sharded import row_sharded
 from .mixed_precision import GroupDtypes
@@ -127,11 +118,9 @@ class ParamGroup:
         self._own_region_holds_mean = False
         self._stash_key = (name, "reduced_grad_stash")
         self._stash: Optional[torch.Tensor] = None
-        # The gradient buffer (full_grad or grad_shard): held strongly, or (persistent_grads False,
-        # after attach_main_grads) only weakly, through the optimizer's .grad views.
-        self.persistent_grads = True
-        self._grads_held: Optional[torch.Tensor] = None
-        self._grads_weak: Optional[weakref.ref] = None
+        # The gradient buffer (full_grad or grad_shard; grad_buffer.py)
+        grads_numel = self.layout.shard_numel if strategy.grads_sharded else self.layout.total_numel
+        self.grads = GradBuffer(grads_numel, dtypes.grad, device)
         self._init_buffers()
 
     # ------------------------------------------------------------------ construction
@@ -175,34 +164,19 @@ class ParamGroup:
     @property
     def full_grad(self) -> Optional[torch.Tensor]:
         """DDP / ZeRO-1: the full-size gradient buffer (None while released, or frozen)."""
-        return None if self.strategy.grads_sharded else self._live_grads()
+        return None if self.strategy.grads_sharded else self.grads.live()
 
     @property
     def grad_shard(self) -> Optional[torch.Tensor]:
         """ZeRO-2/3: this rank's reduced-gradient shard (None while released, or frozen)."""
-        return self._live_grads() if self.strategy.grads_sharded else None
-
-    def _live_grads(self) -> Optional[torch.Tensor]:
-        if self._grads_held is not None:
-            return self._grads_held
-        return self._grads_weak() if self._grads_weak is not None else None
+        return self.grads.live() if self.strategy.grads_sharded else None
 
     def _ensure_grads(self) -> torch.Tensor:
         """The gradient buffer, held strongly again; a zeroed one if it was freed."""
-        buffer = self._live_grads()
-        if buffer is None:
-            numel = self.layout.shard_numel if self.strategy.grads_sharded else self.layout.total_numel
-            buffer = torch.zeros(numel, dtype=self.dtypes.grad, device=self.device)
+        buffer, fresh = self.grads.ensure()
+        if fresh:
             self._own_region_holds_mean = False
-        self._grads_held, self._grads_weak = buffer, None
         return buffer
-
-    def hand_grads_to_optimizer(self) -> None:
-        """Without ``persistent_grads``: from now on only the ``.grad`` views hold the buffer
-        ([Note: gradient buffers live as long as .grad])."""
-        if self.persistent_grads or self._grads_held is None:
-            return
-        self._grads_weak, self._grads_held = weakref.ref(self._grads_held), None
 
     def _main_view(self, buffer: torch.Tensor, index: int) -> torch.Tensor:
         """``index``'s piece of a buffer laid out like ``main_shard``: this rank's rows
@@ -284,22 +258,23 @@ class ParamGroup:
         lives while the collective is in flight."""
         if self.levels is not None:
             return self._gather_blocks_into(full, async_op)
-        start, end = self.layout.shard_range(self.comm.rank)
-        slot = full[start:end]
+        return self._gather_own_slot(self.comm, full, async_op, f"weights of {self.name}")
+
+    def _gather_own_slot(self, comm, output: torch.Tensor, async_op: bool, label: str) -> PendingCollective:
+        """All-gather equal pieces over ``comm`` into ``output``, this rank's main shard cast straight
+        into its own slot first (slot ``comm.rank`` of ``output``)."""
+        size = self.layout.shard_numel
+        slot = output[comm.rank * size:(comm.rank + 1) * size]
         with torch.no_grad():
             slot.copy_(self.main_shard)
-        work = self.comm.all_gather(full, slot, async_op=async_op, label=f"weights of {self.name}")
+        work = comm.all_gather(output, slot, async_op=async_op, label=label)
         return PendingCollective(work if async_op else None, lambda: None)
 
     def _gather_across_replicas(self, inner_shard: torch.Tensor, async_op: bool) -> PendingCollective:
         """HFSDP: this rank's inner shard of compute weights from the replicas' world shards (one
-        outer all-gather, the own piece cast in place)."""
-        outer, size = self.levels[1], self.layout.shard_numel
-        slot = inner_shard[outer.rank * size:(outer.rank + 1) * size]
-        with torch.no_grad():
-            slot.copy_(self.main_shard)
-        work = outer.all_gather(inner_shard, slot, async_op=async_op, label=f"weights of {self.name} across replicas")
-        return PendingCollective(work if async_op else None, lambda: None)
+        outer all-gather)."""
+        return self._gather_own_slot(self.levels[1], inner_shard, async_op,
+                                     f"weights of {self.name} across replicas")
 
     def _gather_blocks_into(self, full: torch.Tensor, async_op: bool) -> PendingCollective:
         """HFSDP: ``full`` from the inner shards, block by block over the inner group (ZeRO-3: the
@@ -576,8 +551,8 @@ class ParamGroup:
         self._inner_grad = None
         if self._stash is not None:
             self._release_stash()
-        if release and not self.persistent_grads:
-            self._grads_held = self._grads_weak = None
+        if release:
+            self.grads.let_go()
         with torch.no_grad():
             for buffer in (self.full_grad, self.grad_shard):
                 if buffer is not None:

@@ -1,0 +1,138 @@
+"""What ``fully_shard`` checks and settles before it shards anything: the process groups it is
+given (and for hybrid sharding how they fit together), the module's parameters, that every rank
+builds the same model, and every rank's start values (rank 0's, as torch DDP's constructor).
+Each check raises on every rank, naming the argument, so no rank waits alone in a collective.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .comm import Communicator
+from .replicas import HFSDP_STRATEGIES
+
+__all__ = ["check_hybrid_groups", "check_outer_sharding", "check_params", "check_process_group",
+           "check_same_model_on_all_ranks", "group_device", "sync_module_states"]
+
+
+def check_process_group(process_group) -> None:
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("fully_shard needs torch.distributed initialised (init_process_group) first.")
+    if process_group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(f"process_group: this process (global rank {dist.get_rank()}) is not a member of the "
+                         "given group; pass a group containing every data-parallel rank that calls fully_shard.")
+    if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+        raise TypeError(f"process_group must be a torch.distributed.ProcessGroup or None, got {type(process_group).__name__}.")
+    size = dist.get_world_size(process_group)
+    if size < 1:
+        raise ValueError(f"process_group must have at least one rank, got size {size}.")
+    rank = dist.get_rank(process_group)
+    if not 0 <= rank < size:
+        raise ValueError(
+            f"process_group: this process (global rank {dist.get_rank()}) is not a member of the group "
+            f"(group rank {rank}, allowed 0..{size - 1}).")
+
+
+def check_hybrid_groups(shards: Communicator, replicas: Communicator) -> None:
+    """Hybrid sharding: every outer (replicate) group must link ranks holding the same shard, i.e.
+    the same inner rank. A rank that finds otherwise in its outer group tells the others through
+    its inner group and then its outer group, so every rank of the data-parallel world raises."""
+    if dist.get_backend(shards.group) == "fake":
+        return
+    device = group_device(shards)
+    inner_ranks = torch.empty(replicas.size, dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(inner_ranks, torch.tensor([shards.rank], dtype=torch.int64, device=device),
+                                group=replicas.group)
+    bad = torch.tensor([int(len(set(inner_ranks.tolist())) > 1)], dtype=torch.int64, device=device)
+    dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=shards.group)
+    dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=replicas.group)
+    if int(bad):
+        raise ValueError(
+            f"process_group: in an (outer, inner) pair every outer group must link the ranks with the same rank in "
+            f"their inner groups (the same shard); this rank's outer group links inner ranks {inner_ranks.tolist()} "
+            "(or another rank's does). Build the inner groups from consecutive ranks and the outer groups from "
+            "ranks with the same position, e.g. init_device_mesh(device, (replicas, shard_size)).")
+
+
+def check_outer_sharding(outer_sharding_strategy: str, strategy, inner: Communicator,
+                          outer: Optional[Communicator]) -> Optional[Communicator]:
+    """HFSDP's preconditions; returns the Communicator of the whole world (None without HFSDP).
+    The layout's shard index is the global rank, so it must be ``outer rank * inner size + inner
+    rank`` (inner groups of consecutive ranks); a rank that finds otherwise makes every rank raise."""
+    if outer_sharding_strategy not in ("no_shard", "optim"):
+        raise ValueError(f"outer_sharding_strategy must be 'no_shard' or 'optim', got {outer_sharding_strategy!r}.")
+    if outer_sharding_strategy == "no_shard":
+        return None
+    if outer is None:
+        raise ValueError("outer_sharding_strategy='optim' shards across replicas: pass process_group=(outer, inner) "
+                         "or a 2-D DeviceMesh (hybrid sharding).")
+    if strategy.name not in HFSDP_STRATEGIES:
+        raise ValueError(f"outer_sharding_strategy='optim' shards the optimizer state of an inner strategy that "
+                         f"shards it, one of {list(HFSDP_STRATEGIES)}; got sharding_strategy={strategy.name!r}.")
+    if inner.size * outer.size != dist.get_world_size():
+        raise ValueError(f"outer_sharding_strategy='optim': the (outer, inner) groups must cover the whole world "
+                         f"({dist.get_world_size()} ranks), got {outer.size} x {inner.size}.")
+    device = group_device(inner)
+    bad = torch.tensor([int(dist.get_rank() != outer.rank * inner.size + inner.rank)], dtype=torch.int64,
+                       device=device)
+    dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    if int(bad):
+        raise ValueError("outer_sharding_strategy='optim': every rank's global rank must be outer rank x inner size "
+                         "+ inner rank (inner groups of consecutive ranks, e.g. init_device_mesh(..., (nodes, "
+                         "gpus_per_node))); this layout differs on some rank.")
+    return Communicator(None)
+
+
+def check_params(module: nn.Module) -> torch.device:
+    params = list(module.parameters())
+    if not params:
+        raise ValueError(f"module: {type(module).__name__} has no parameters to shard.")
+    devices = sorted({str(p.device) for p in params})
+    if len(devices) > 1:
+        raise ValueError(f"module: all parameters must be on one device, got parameters on {devices}.")
+    for name, param in module.named_parameters():
+        if not param.is_floating_point():
+            raise TypeError(f"module: parameter {name!r} has dtype {param.dtype}; only floating-point "
+                            f"parameters can be sharded (float16, bfloat16, float32, float64).")
+    return params[0].device
+
+
+def check_same_model_on_all_ranks(module: nn.Module, comm: Communicator, device: torch.device) -> None:
+    """Compare a digest of (name, shape, dtype) across ranks so a mismatch errors instead of hanging."""
+    if dist.get_backend(comm.group) == "fake":      # torch's fake group (memory studies): no real data moves
+        return
+    text = ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad}" for n, p in module.named_parameters())
+    digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
+    mine = torch.tensor([digest], dtype=torch.int64, device=device)
+    everyone = torch.empty(comm.size, dtype=torch.int64, device=device)
+    comm.all_gather(everyone, mine, label="model digest (wrap-time check)")
+    differing = [r for r, d in enumerate(everyone.tolist()) if d != digest]
+    if differing:
+        raise ValueError(
+            f"module: parameter names/shapes/dtypes differ between data-parallel ranks: rank {comm.rank} "
+            f"disagrees with ranks {differing}. Every rank must build the same model before fully_shard.")
+
+
+def sync_module_states(module: nn.Module, comm: Communicator, skip: frozenset = frozenset(),
+                        only: Optional[set] = None) -> None:
+    """Every rank starts from rank 0's parameters and buffers, as torch DDP's constructor does:
+    replicas that began apart would otherwise drift apart (``no_shard``) or be stitched together
+    from pieces of different ranks' models (the sharded strategies). ``only``: just these
+    parameters (by id; no buffers); ``skip``: all but these."""
+    if comm.size == 1 or dist.get_backend(comm.group) == "fake":
+        return
+    params = [p.detach() for p in module.parameters() if id(p) not in skip and (only is None or id(p) in only)]
+    tensors = params + ([b for b in module.buffers() if b.numel()] if only is None else [])
+    comm.broadcast(tensors, src_group_rank=0, label="rank 0's parameters and buffers at wrap time")
+
+
+def group_device(comm: Communicator) -> torch.device:
+    """Where a process group's tensors live: the current CUDA device for NCCL, else the CPU."""
+    if dist.get_backend(comm.group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

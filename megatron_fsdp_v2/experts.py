@@ -36,7 +36,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-__all__ = ["check_expert_arguments", "expert_param_ids", "expert_names_refusal"]
+__all__ = ["check_expert_arguments", "check_expert_group_inside", "clip_norm_terms", "expert_names_refusal",
+           "expert_param_ids"]
 
 
 def check_expert_arguments(expert_process_group, expert_params, process_group_is_hybrid: bool) -> None:

@@ -88,6 +88,13 @@ class Unit:
         for group in self.groups:
             group.unshard(async_op)
 
+    @property
+    def worth_prefetching(self) -> bool:
+        """Whether gathering this unit moves data between ranks. Over a group of one rank the
+        gather is a local cast with nothing to hide behind compute, and prefetching it would only
+        hold a second unit's weights through the current unit's activation peak."""
+        return any(group.gather_size > 1 for group in self.groups)
+
     def wait_unshard(self) -> None:
         """Wait for this unit's weights: a ZeRO-3 gather or a ZeRO-1/2 refresh in flight."""
         for group in self.groups:
@@ -224,7 +231,7 @@ class Engine:
             unit.unshard(async_op=False)
             if not self.phase.is_(Phase.BACKWARD):
                 nxt = self.forward_order.neighbour(unit, +1)
-                if nxt is not None and not nxt.is_root:
+                if nxt is not None and not nxt.is_root and nxt.worth_prefetching:
                     nxt.unshard(async_op=True)
         unit.wait_unshard()
         self._enter_forward(unit)
@@ -244,7 +251,8 @@ class Engine:
         record, hooks = ForwardRecord(), None
         if self.strategy.weights_sharded and torch.is_grad_enabled() and not self.phase.is_(Phase.BACKWARD):
             ref, u = weakref.ref(self), unit.index
-            hooks = SavedWeightHooks(lambda rec, u=u: ref()._pre_backward(ref().units[u], rec), unit.groups, record)
+            hooks = SavedWeightHooks(lambda rec, group, u=u: ref()._pre_backward(ref().units[u], rec, group),
+                                     unit.groups, record)
             hooks.enter()
         unit.forwards_in_flight.append((record, hooks))
 
@@ -268,8 +276,10 @@ class Engine:
             tensors, lambda grads, u=u: ref()._pre_backward(ref().units[u], record), mode="any")
         return True
 
-    def _pre_backward(self, unit: Unit, record: ForwardRecord) -> None:
-        """Called by every trigger of ``pre_backward.py``; the first in a backward prefetches."""
+    def _pre_backward(self, unit: Unit, record: ForwardRecord, group: Optional[ParamGroup] = None) -> None:
+        """Called by every trigger of ``pre_backward.py``; the first in a backward gathers the unit
+        and prefetches. A later one from a saved weight (``group``) gathers that group only: the
+        unit's other groups resharded in this backward were done with."""
         self._on_backward_start()
         first_trigger = record.backward_index != self._backward_count
         if first_trigger and record.backward_index is not None and self.strategy.weights_sharded:
@@ -280,10 +290,13 @@ class Engine:
         record.backward_index = self._backward_count
         if not self.strategy.weights_sharded:
             return
-        unit.unshard(async_op=False)
+        if first_trigger or group is None:
+            unit.unshard(async_op=False)
+        else:
+            group.unshard(async_op=False)
         if first_trigger:
             prev = self.forward_order.neighbour(unit, -1)
-            if prev is not None and not prev.is_root:
+            if prev is not None and not prev.is_root and prev.worth_prefetching:
                 prev.unshard(async_op=True)
         unit.wait_unshard()
 
@@ -312,7 +325,7 @@ class Engine:
         self._on_backward_start()
         if param.grad is None:
             return
-        if group.strategy.grads_sharded and not group.has_full_size_grad_buffer:
+        if group.strategy.grads_sharded and not group.holds_unreduced_grads:
             self.wait_gradient_reduces()          # bound: one full-size grad buffer in flight
         group.accumulate_grad(index, param.grad)
         param.grad = None
@@ -322,6 +335,14 @@ class Engine:
             others_done = all(g is group or not g.requires_grad or g.reduced_this_backward for g in unit.groups)
             if self.strategy.weights_sharded and not unit.is_root and others_done:
                 unit.reshard()
+            elif self.strategy.weights_sharded and unit.is_root and len(unit.groups) > 1:
+                # The root stays gathered through backward, but a group of it whose gradients are
+                # complete is done (autograd calls a leaf's hook once, after all its uses): with
+                # reduce_root_per_child a GPT's output layer frees its weights at the start of
+                # backward. A saved weight unpacked later would gather it again (pre_backward.py).
+                group.reshard()
+            if unit.is_root and not group.reduce_frees_memory:
+                return          # the end of backward reduces it, once the activations are gone
             self._reduce(group)
 
     def _reduce(self, group: ParamGroup) -> None:

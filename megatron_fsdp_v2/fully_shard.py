@@ -347,11 +347,12 @@ def fully_shard(
             inner x outer, compute weights gathered within the inner group; inner strategy
             ``optim``, ``optim_grads`` or ``optim_grads_params``; replicas.py, [Note: sharding across replicas
             (HFSDP)]).
-        reduce_root_per_child: the root unit's parameters form one gradient group per top-level
-            child module (and one for the root's own) instead of one, so each is reduced as soon as
-            its gradients are complete: a GPT's output layer at the start of backward, its
-            embedding at the end, and ZeRO-2/3's temporary gradient buffer of the root never holds
-            both through the whole backward. Weights are still gathered unit by unit.
+        reduce_root_per_child: the root unit's parameters form one group per top-level child
+            module (and one for the root's own) instead of one. ZeRO-3: a group whose gradients
+            are complete lets its gathered weights go (a GPT's output layer at the start of
+            backward); ZeRO-2/3: it also reduces then when its reduced shard is smaller than the
+            gradients it holds (else at the end of backward), so the output layer's gradients are
+            not held through the activation peak. The root is still gathered as one unit.
         persistent_grads: ``False`` (FSDP2's behaviour): the reduced-gradient buffers live as long as
             the optimizer's ``.grad`` views of them, so ``zero_grad(set_to_none=True)`` frees them and
             the next backward allocates them again as late as possible; ``True``: kept between

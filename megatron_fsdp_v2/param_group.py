@@ -7,9 +7,9 @@ A group owns, per ``strategy.py``'s table:
 * ``model_weights``: the full-size compute-dtype buffer forward and backward read. Persistent,
   or (``weights_sharded``) a temporary from the allocator that lives only around a unit's use.
   When nothing is sharded and dtypes agree, it *is* ``main_shard`` (no second copy).
-* grads: a full-size ``full_grad`` (``grads_sharded`` False) or a ``grad_shard`` plus a
-  temporary full-size buffer from the allocator that lives from the unit's first gradient to the
-  end of its reduce-scatter. With ``persistent_grads`` (Megatron's ``main_grad``) the group keeps
+* grads: a full-size ``full_grad`` (``grads_sharded`` False) or a ``grad_shard``; ZeRO-2/3 keep
+  a backward's gradients per parameter until the group reduces, then copy them into a reduce
+  input from the allocator (unreduced_grads.py, [Note: unreduced gradients stay per parameter]). With ``persistent_grads`` (Megatron's ``main_grad``) the group keeps
   them; otherwise, once the reduced gradients are attached as the optimizer's ``.grad``, those
   views alone hold the buffer (grad_buffer.py, [Note: gradient buffers live as long as .grad]).
 
@@ -27,6 +27,7 @@ import torch.nn as nn
 from .allocators.base import Allocator
 from .comm import Communicator
 from .grad_buffer import GradBuffer
+from .unreduced_grads import UnreducedGrads
 from .layout import FlatLayout, build_layout
 from .row_sharded import row_sharded
 from .mixed_precision import GroupDtypes
@@ -91,7 +92,6 @@ class ParamGroup:
             self.layout.shard_range(rank) if strategy.optim_sharded else (0, self.layout.total_numel)
         )
         self._weights_key = (name, "model_weights")
-        self._grad_key = (name, "full_grad")
         self._comm_key = (name, "comm_grad")
         # The one owner of each kind of weight collective in flight: ZeRO-3's gather into a
         # temporary buffer, or ZeRO-1/2's refresh of the persistent replicated weights. (Gradient
@@ -99,7 +99,7 @@ class ParamGroup:
         self._pending_unshard: Optional[PendingCollective] = None
         self._pending_refresh: Optional[PendingCollective] = None
         self.is_unsharded = False
-        self._temp_grad: Optional[torch.Tensor] = None
+        self._unreduced = UnreducedGrads(len(self.params))      # ZeRO-2/3: this backward's, not yet reduced
         self.grads_ready = [False] * len(self.params)
         # got_grad: which parameters received a gradient on this rank since the grads were last
         # zeroed (a parameter none of the ranks used gets ``.grad = None``, as torch DDP gives).
@@ -327,22 +327,30 @@ class ParamGroup:
 
     # ------------------------------------------------------------------ grads
     @property
-    def has_full_size_grad_buffer(self) -> bool:
-        """ZeRO-2/3: a temporary full-size gradient buffer is allocated (accumulating or reducing)."""
-        return self.strategy.grads_sharded and self.allocator.is_live(self._grad_key)
+    def gather_size(self) -> int:
+        """Ranks ZeRO-3's weight gather reads from (HFSDP: the inner group)."""
+        return self.levels[0].size if self.levels is not None else self.comm.size
+
+    @property
+    def reduce_frees_memory(self) -> bool:
+        """ZeRO-2/3: whether reducing now takes less memory than keeping the gradients held until
+        the end of backward (the reduced shard, in the grad dtype, is smaller than the gradients
+        held in the compute dtype): a bf16 group reducing into fp32 at one or two ranks does not."""
+        if not self.strategy.grads_sharded:
+            return True
+        held = sum(self.layout.numels) * self.dtypes.compute.itemsize
+        return self.layout.shard_numel * self.dtypes.grad.itemsize < held
+
+    @property
+    def holds_unreduced_grads(self) -> bool:
+        """ZeRO-2/3: some of this backward's gradients wait for the group's reduce."""
+        return self.strategy.grads_sharded and self._unreduced.any()
 
     def accumulate_grad(self, index: int, grad: torch.Tensor) -> None:
-        """Add one parameter's fresh gradient into the full-size (persistent or temporary) buffer."""
+        """Take one parameter's fresh gradient: ZeRO-2/3 keep it as is until the group reduces
+        (unreduced_grads.py); DDP/ZeRO-1 add it into the persistent full-size buffer."""
         if self.strategy.grads_sharded:
-            if not self.allocator.is_live(self._grad_key):
-                # Each parameter's gradient arrives once per backward and is reduced in the same
-                # backward, so the temporary buffer holds it in the gradient's own (compute) dtype:
-                # nothing is lost, and a bf16 model's buffer is half the size of an fp32 one.
-                buffer = self.allocator.allocate(self._grad_key, self.layout.total_numel, self.dtypes.compute,
-                                                 self.device)
-                buffer.zero_()
-                self._temp_grad = buffer
-            full = self._temp_grad
+            self._unreduced.add(index, grad)
         else:
             full = self._ensure_grads()
             if self._own_region_holds_mean:
@@ -353,8 +361,8 @@ class ParamGroup:
                     full[start:end].zero_()
                 self._stash = stash
                 self._own_region_holds_mean = False
-        start, end = self.layout.param_range(index)
-        full[start:end].add_(grad.reshape(-1))
+            start, end = self.layout.param_range(index)
+            full[start:end].add_(grad.reshape(-1))
         self.grads_ready[index] = True
         self.got_grad[index] = True
         self.has_unreduced_grads = True
@@ -405,13 +413,20 @@ class ParamGroup:
                     release_input()
                     self.full_grad.div_(divide_factor)
         else:
-            shard_out = torch.empty(self.layout.shard_numel, dtype=full.dtype, device=self.device)
+            # ZeRO-2/3 with no reduced gradients yet (the first backward after zero_grad freed
+            # them): reduce straight into a new grad shard instead of a temporary beside it.
+            into_shard = (self.strategy.grads_sharded and self.grads.live() is None
+                          and self.dtypes.grad == full.dtype)
+            shard_out = (self._ensure_grads() if into_shard
+                         else torch.empty(self.layout.shard_numel, dtype=full.dtype, device=self.device))
             work = self.comm.reduce_scatter(shard_out, full, async_op=True, label=f"grads of {self.name}")
 
             def on_complete(shard_out=shard_out):
                 with torch.no_grad():
                     release_input()
-                    if self.strategy.grads_sharded:
+                    if into_shard:                      # as the add below would give it: x * (1 / f)
+                        shard_out.mul_(1.0 / divide_factor)
+                    elif self.strategy.grads_sharded:
                         shard = self._ensure_grads()
                         shard.add_(shard_out.to(shard.dtype), alpha=1.0 / divide_factor)
                     else:
@@ -478,36 +493,31 @@ class ParamGroup:
     def _grad_comm_input(self):
         """The full-size buffer to reduce, in ``grad_comm`` dtype, and how to release it afterwards.
 
-        A dtype cast goes through the allocator (key ``comm_grad``) so it is counted and bounded;
-        ZeRO-2/3's temporary grad buffer is released as soon as it has been cast."""
+        ZeRO-2/3's held gradients, and DDP/ZeRO-1's buffer when it needs a dtype cast, are copied
+        into a buffer from the allocator (key ``comm_grad``), so it is counted and bounded."""
         comm_dtype = self.dtypes.grad_comm
-        source = self._temp_grad if self.strategy.grads_sharded else self.full_grad
-        if source.dtype == comm_dtype:
-            if self.strategy.grads_sharded:
-                return source, self._release_temp_grad
-            return source, lambda: None
-        cast = self.allocator.allocate(self._comm_key, self.layout.total_numel, comm_dtype, self.device)
-        with torch.no_grad():
-            cast.copy_(source)
+        if not self.strategy.grads_sharded and self.full_grad.dtype == comm_dtype:
+            return self.full_grad, lambda: None
+        flat = self.allocator.allocate(self._comm_key, self.layout.total_numel, comm_dtype, self.device)
         if self.strategy.grads_sharded:
-            self._release_temp_grad()
-        return cast, lambda: self.allocator.free(self._comm_key)
+            self._unreduced.write_into(flat, self.layout)
+        else:
+            with torch.no_grad():
+                flat.copy_(self.full_grad)
+        return flat, lambda: self.allocator.free(self._comm_key)
 
     def _release_stash(self) -> None:
         self.allocator.free(self._stash_key)
         self._stash = None
 
-    def _release_temp_grad(self) -> None:
-        self.allocator.free(self._grad_key)
-        self._temp_grad = None
-
     def discard_backward_state(self) -> None:
         """Forget a backward that raised: free its temporaries and its readiness bookkeeping
         (pending collectives must have been waited for)."""
-        for key in (self._grad_key, self._comm_key, self._stash_key):
+        for key in (self._comm_key, self._stash_key):
             if self.allocator.is_live(key):
                 self.allocator.free(key)
-        self._temp_grad = self._stash = self._inner_grad = None
+        self._stash = self._inner_grad = None
+        self._unreduced.clear()
         self.grads_ready = [False] * len(self.params)
         self.has_unreduced_grads = False
         self.reduced_this_backward = False

@@ -37,12 +37,14 @@ class ForwardRecord:
 
 
 class _SavedWeight:
-    """A tensor autograd saved from a unit's gathered weights, and the forward that saved it."""
+    """A tensor autograd saved from a unit's gathered weights, the group it came from and the
+    forward that saved it."""
 
-    __slots__ = ("tensor", "record")
+    __slots__ = ("tensor", "group", "record")
 
-    def __init__(self, tensor: torch.Tensor, record: ForwardRecord) -> None:
+    def __init__(self, tensor: torch.Tensor, group, record: ForwardRecord) -> None:
         self.tensor = tensor
+        self.group = group
         self.record = record
 
 
@@ -60,14 +62,14 @@ def tensors_needing_grad(output, _depth: int = 0) -> list[torch.Tensor]:
     return found
 
 
-def _weight_ranges(groups) -> list[tuple[int, int]]:
-    """[start, end) device addresses of the groups' gathered compute weights."""
+def _weight_ranges(groups) -> list[tuple[int, int, object]]:
+    """[start, end) device addresses of the groups' gathered compute weights, with the group."""
     ranges = []
     for group in groups:
         weights = group.model_weights
         if weights is not None and weights.numel():
             start = weights.data_ptr()
-            ranges.append((start, start + weights.numel() * weights.element_size()))
+            ranges.append((start, start + weights.numel() * weights.element_size(), group))
     return ranges
 
 
@@ -79,7 +81,7 @@ class SavedWeightHooks:
     engine through a weak reference: autograd keeps the packed objects alive as long as the graph.
     """
 
-    def __init__(self, on_unpack: Callable[[ForwardRecord], None], groups, record: ForwardRecord) -> None:
+    def __init__(self, on_unpack: Callable[[ForwardRecord, object], None], groups, record: ForwardRecord) -> None:
         self._ranges = _weight_ranges(groups)
         self._record = record
         self._on_unpack = on_unpack
@@ -96,14 +98,14 @@ class SavedWeightHooks:
             address = tensor.data_ptr()
         except RuntimeError:      # tensors without storage (e.g. some subclasses) are never weights
             return tensor
-        for start, end in self._ranges:
+        for start, end, group in self._ranges:
             if start <= address < end:
-                return _SavedWeight(tensor, self._record)
+                return _SavedWeight(tensor, group, self._record)
         return tensor
 
     def _unpack(self, packed):
         if isinstance(packed, _SavedWeight):
-            self._on_unpack(packed.record)
+            self._on_unpack(packed.record, packed.group)
             return packed.tensor
         return packed
 

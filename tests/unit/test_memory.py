@@ -84,30 +84,45 @@ def root_split_worker(rank, world_size):
         torch.manual_seed(0)
         model = fully_shard(UnevenNet(), sharding_strategy="optim_grads_params", unit_modules=[Block],
                             reduce_root_per_child=split)
-        alloc = model._fsdp_engine.allocator
+        engine = model._fsdp_engine
+        alloc = engine.allocator
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        root_groups = [g.name for g in model._fsdp_engine.units[0].groups]
+        root_groups = [g.name for g in engine.units[0].groups]
+        # what the engine holds for gradients at each gradient's arrival (after the engine took
+        # it): the allocator's temporaries plus the gradients held per parameter until a reduce
+        samples = []
+        for param in (p for g in engine.groups for p in g.params):      # the compute parameters
+            param.register_post_accumulate_grad_hook(lambda p: samples.append(
+                alloc.live_bytes + sum(g._unreduced.nbytes() for g in engine.groups)))
+        # the root groups still gathered when the last block's first gradient arrives (mid-backward)
+        gathered_mid_backward = []
+        engine.units[-1].groups[0].params[0].register_post_accumulate_grad_hook(lambda p: gathered_mid_backward.append(
+            sorted(g.name for g in engine.units[0].groups if g.is_unsharded)))
         peaks = []
         for step in range(2):
             x, y = make_batches(step, rank, 1)[0]
             out_ = model(x)
-            alloc.reset_peak()
+            samples.clear()
             loss_fn(out_, y).backward()
-            peaks.append(alloc.peak_live_bytes)
+            peaks.append(max(samples))
             opt.step()
             opt.zero_grad()
-        out[split] = (root_groups, peaks, model.full_state_dict())
+        out[split] = (root_groups, peaks, model.full_state_dict(), gathered_mid_backward)
     return out
 
 
 def test_reduce_root_per_child_splits_the_root_groups_and_lowers_the_backward_peak():
     """UnevenNet's root holds proj (used first in forward, its grads last in backward), head (grads
-    first) and the 0-d offset: one group each, reduced as each completes, so the root's temporary
-    gradient buffer never holds proj and head together; training is unchanged."""
+    first) and the 0-d offset: one group each, reduced as each completes, so the root never holds
+    the gradients of proj and head together, and head's weights are let go once its gradients are
+    complete, as are offset's (the blocks' backward finds only proj gathered); training is unchanged."""
     for result in run_distributed(root_split_worker, 2):
-        (one, peaks_one, state_one), (split, peaks_split, state_split) = result[False], result[True]
+        (one, peaks_one, state_one, gathered_one), (split, peaks_split, state_split, gathered_split) = (
+            result[False], result[True])
         assert one == ["<root>/float32/grad"]
         assert sorted(split) == ["<root>/float32/grad", "<root>/head/float32/grad", "<root>/proj/float32/grad"]
+        assert gathered_one == [["<root>/float32/grad"]] * 2
+        assert gathered_split == [["<root>/proj/float32/grad"]] * 2
         assert all(b < a for a, b in zip(peaks_one, peaks_split)), (peaks_one, peaks_split)
         for name, value in state_one.items():
             torch.testing.assert_close(state_split[name], value, rtol=1e-6, atol=1e-7)
@@ -142,3 +157,48 @@ def test_a_grad_kept_across_zero_grad_set_to_none_keeps_its_values():
         for strategy, (unchanged, count, new_grads_differ) in result.items():
             assert count > 0 and unchanged, strategy
             assert new_grads_differ, strategy
+
+
+def one_rank_schedule_worker(rank, world_size):
+    """ZeRO-3, reduce_root_per_child: which units are gathered while
+    each block's forward runs, and what head's group (the root's, its gradients first in backward)
+    holds when the last block's first gradient arrives."""
+    from .scenarios import loss_fn, make_batches
+
+    torch.manual_seed(0)
+    model = fully_shard(UnevenNet(), sharding_strategy="optim_grads_params", unit_modules=[Block],
+                        reduce_root_per_child=True)
+    engine = model._fsdp_engine
+    units = engine.units
+    gathered_in_forward = []
+    for unit in units[1:]:
+        unit.module.register_forward_pre_hook(lambda *_: gathered_in_forward.append(
+            [u.fqn or "<root>" for u in units if u.is_unsharded and not u.is_root]))
+    head = next(g for g in units[0].groups if "/head/" in g.name)
+    mid_backward = []
+    units[-1].groups[0].params[0].register_post_accumulate_grad_hook(lambda p: mid_backward.append(
+        (head.holds_unreduced_grads, head.is_unsharded, head.grad_shard is not None)))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    for step in range(2):             # the second backward starts with the grad shards freed
+        gathered_in_forward.clear()
+        mid_backward.clear()
+        x, y = make_batches(step, rank, 1)[0]
+        loss_fn(model(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return gathered_in_forward, mid_backward, head.reduce_frees_memory
+
+
+def test_one_rank_neither_prefetches_nor_reduces_the_root_early():
+    """At one rank a gather is a local cast: nothing to hide, so no unit is prefetched (each block's
+    forward finds only itself gathered). A root group's reduced gradient would be as large as the
+    gradients it holds, so head's gradients wait for the end of backward there, while its weights
+    are let go at once; at two ranks the next block is prefetched and head reduces early (its shard
+    is smaller than its gradients)."""
+    (one,) = run_distributed(one_rank_schedule_worker, 1)
+    gathered, mid_backward, frees = one
+    assert gathered == [["blocks.0"], ["blocks.1"], ["blocks.2"]]
+    assert mid_backward == [(True, False, False)] and frees is False
+    for gathered, mid_backward, frees in run_distributed(one_rank_schedule_worker, 2):
+        assert gathered == [["blocks.0", "blocks.1"], ["blocks.1", "blocks.2"], ["blocks.2"]]
+        assert mid_backward == [(False, False, True)] and frees is True

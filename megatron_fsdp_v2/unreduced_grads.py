@@ -1,0 +1,66 @@
+"""ZeRO-2/3: one backward's gradients of a group, kept as autograd made them until the group reduces.
+
+[Note: unreduced gradients stay per parameter]
+ZeRO-2/3 reduce-scatter a group's gradients in the backward that produced them. Copying each
+gradient into a full-size flat buffer when it arrives would allocate the whole group's bytes at
+its *first* gradient: in a transformer layer the MLP's gradients come first, and the attention
+backward that follows (where the activation memory peaks) would then find slots allocated for
+attention gradients that do not exist yet. So a group keeps autograd's tensors (the parameter's
+``.grad`` is cleared at once, so nothing else holds them) and, when it reduces, copies them, cast
+to the collective's dtype in the same copy, straight into the reduce input: no full-size buffer
+in the compute dtype exists at all, and a bf16 model reducing in fp32 no longer holds a bf16 and
+an fp32 copy of the group at the same time. FSDP2 keeps per-parameter gradients the same way
+(``foreach_reduce`` copies the unsharded gradients into its reduce-scatter input).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .layout import FlatLayout
+
+__all__ = ["UnreducedGrads"]
+
+
+class UnreducedGrads:
+    """Per parameter index: the gradient this backward produced (summed if it came more than once)."""
+
+    def __init__(self, count: int) -> None:
+        self._grads: list[Optional[torch.Tensor]] = [None] * count
+
+    def add(self, index: int, grad: torch.Tensor) -> None:
+        held = self._grads[index]
+        # A second gradient in one backward (a parameter used twice): out of place, since the
+        # first tensor came from autograd and may be shared with nothing we can see.
+        self._grads[index] = grad if held is None else held + grad
+
+    def any(self) -> bool:
+        return any(grad is not None for grad in self._grads)
+
+    def nbytes(self) -> int:
+        return sum(grad.numel() * grad.element_size() for grad in self._grads if grad is not None)
+
+    def clear(self) -> None:
+        self._grads = [None] * len(self._grads)
+
+    def write_into(self, flat: torch.Tensor, layout: FlatLayout) -> None:
+        """Fill ``flat`` (laid out by ``layout``, any dtype): each parameter's gradient in its range,
+        zeros where none arrived and in the padding; then let the gradients go, one by one, so the
+        copy never needs more than ``flat`` plus what is still unwritten."""
+        with torch.no_grad():
+            cursor = 0
+            for index in sorted(range(len(self._grads)), key=lambda i: layout.param_range(i)[0]):
+                start, end = layout.param_range(index)
+                if start > cursor:
+                    flat[cursor:start].zero_()
+                grad, self._grads[index] = self._grads[index], None
+                if grad is None:
+                    flat[start:end].zero_()
+                else:
+                    flat[start:end].copy_(grad.reshape(-1))
+                del grad
+                cursor = max(cursor, end)
+            if cursor < flat.numel():
+                flat[cursor:].zero_()

@@ -15,7 +15,7 @@ collective, again with an event. So:
 * a prefetch all-gather issued at unit i's pre-forward overlaps unit i's compute and is waited for
   only at unit i+1's pre-forward; the backward prefetch does the same in reverse order;
 * a reduce-scatter issued when a unit's grads are complete overlaps the next unit's backward; the
-  engine waits for it before allocating the next full-size grad buffer (the memory bound), and
+  engine waits for it when the next group's first gradient arrives (the memory bound), and
   the temporary input buffer is freed only after that wait, so the caching allocator never hands
   its bytes to a kernel that could run before the collective finished reading them;
 * the host never blocks: there is no ``torch.cuda.synchronize()`` in the schedule.

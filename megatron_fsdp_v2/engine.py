@@ -4,19 +4,22 @@
   root pre-forward   weights refreshed from updated main weights if the optimizer stepped
                      (ZeRO-1/2: one async all-gather per group, waited per unit at its forward;
                      DDP with mixed precision: a local cast); ZeRO-3: root unit all-gathered.
-  unit pre-forward   ZeRO-3: all-gather this unit (prefetched when possible), prefetch the next.
+  unit pre-forward   ZeRO-3: all-gather this unit (prefetched when possible), prefetch the next
+                     (not over a one-rank gather: Unit.worth_prefetching).
   unit post-forward  ZeRO-3: reshard; hook the outputs so the unit's backward unshards it again.
   unit pre-backward  ZeRO-3: all-gather this unit, prefetch the one before it in forward order.
-  param grad ready   add it to the group's full-size grad buffer (temporary for ZeRO-2/3); when
-                     the whole group is ready and this micro-batch reduces, reduce it (async).
-  end of backward    reduce groups whose unused parameters never got a gradient, wait for every
-                     reduce, point the optimizer-facing ``.grad`` at the reduced shard, reshard.
+  param grad ready   DDP/ZeRO-1: add it to the group's full-size grad buffer; ZeRO-2/3: hold it
+                     (unreduced_grads.py). When the whole group is ready and this micro-batch
+                     reduces, reduce it (async); a root group only if that frees memory.
+  end of backward    reduce groups still holding gradients (unused parameters; deferred root
+                     groups), wait for every reduce, point the optimizer-facing ``.grad`` at the
+                     reduced shard, reshard.
 
 [Note: bounds on temporary buffers]
-  Before a new temporary full-size grad buffer is allocated, and before a reduce is issued, the
-  engine waits for the reduce in flight. So at most one full-size grad buffer is accumulating and
-  at most one is being reduced (ZeRO-2: <= 2 units of full grads; ZeRO-3 backward: this unit's
-  weights, the prefetched unit's weights and one grad buffer).
+  When a group's first gradient of a backward arrives, and before a reduce is issued, the engine
+  waits for the reduce in flight. So at most one full-size reduce input is live (ZeRO-2: <= 2
+  units of it; ZeRO-3 backward: this unit's weights, the prefetched unit's weights and one reduce
+  input).
 """
 
 from __future__ import annotations
@@ -326,7 +329,7 @@ class Engine:
         if param.grad is None:
             return
         if group.strategy.grads_sharded and not group.holds_unreduced_grads:
-            self.wait_gradient_reduces()          # bound: one full-size grad buffer in flight
+            self.wait_gradient_reduces()          # bound: one full-size reduce input in flight
         group.accumulate_grad(index, param.grad)
         param.grad = None
         if self.backward_pass.reduces and group.all_grads_ready():

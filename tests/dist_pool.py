@@ -212,6 +212,18 @@ def _megatron_cleanup() -> Optional[str]:
     return None
 
 
+def _destroy_subgroups(world) -> None:
+    """Destroy the process groups a case left registered besides the world (Megatron's
+    ``destroy_model_parallel`` only forgets its groups). Each gloo group keeps its own threads, so a
+    worker that ran many model-parallel cases would otherwise carry thousands of idle threads, and
+    a 2-core machine spends its time scheduling them."""
+    import torch.distributed as dist
+
+    for group in list(dist.distributed_c10d._world.pg_map):
+        if group is not world:
+            dist.destroy_process_group(group)
+
+
 def _local_pieces(obj):
     """A result with every DTensor replaced by this rank's local piece: a DTensor names its process
     group, which the parent does not have (ranks return what they hold, as plain tensors)."""
@@ -286,6 +298,7 @@ def _worker_main(rank: int, world_size: int, init_file: str, conn, stack_file: s
         elif result[0] == "ok":            # after an error the parent kills the pool: report it at once
             try:
                 retire = _megatron_cleanup()
+                _destroy_subgroups(world)
             except BaseException:  # noqa: BLE001
                 retire = "cleaning up Megatron's state failed:\n" + traceback.format_exc()
         try:

@@ -27,6 +27,7 @@ import torch.nn as nn
 from .allocators.base import Allocator
 from .comm import Communicator
 from .grad_buffer import GradBuffer
+from .group_export import GroupExport
 from .unreduced_grads import UnreducedGrads
 from .layout import FlatLayout, build_layout
 from .row_sharded import row_sharded
@@ -51,7 +52,7 @@ def _wait(pending: Optional[PendingCollective]) -> None:
     pending.on_complete()
 
 
-class ParamGroup:
+class ParamGroup(GroupExport):
     """Flat main-weight, model-weight and grad buffers of a list of parameters."""
 
     def __init__(
@@ -572,38 +573,3 @@ class ParamGroup:
         self._own_region_holds_mean = False
         self.grads_ready = [False] * len(self.params)
         self.got_grad = [False] * len(self.params)
-
-    # ------------------------------------------------------------------ accounting and export
-    def persistent_bytes(self) -> dict:
-        """Bytes this rank keeps between steps, by role (temporaries excluded)."""
-        def nbytes(t):
-            return 0 if t is None else t.numel() * t.element_size()
-        model = 0 if (self.strategy.weights_sharded or self.compute_weights_are_main_weights) else nbytes(self.model_weights)
-        model += nbytes(self.inner_weights)
-        return {"main_weights": nbytes(self.main_shard), "model_weights": model,
-                "grads": nbytes(self.full_grad) + nbytes(self.grad_shard)}
-
-    def gather_full_main(self) -> torch.Tensor:
-        """The whole main-weight buffer on every rank (one all-gather when sharded)."""
-        if not self.strategy.optim_sharded:
-            return self.main_shard.detach().clone()
-        full = torch.empty(self.layout.total_numel, dtype=self.main_shard.dtype, device=self.device)
-        self.comm.all_gather(full, self.main_shard.detach(), label=f"main weights of {self.name}")
-        return full
-
-    def gather_full_grad(self) -> Optional[torch.Tensor]:
-        """The whole reduced-gradient buffer on every rank (None for a frozen group)."""
-        if not self.requires_grad:
-            return None
-        buffer = self._ensure_grads()       # every rank joins the gather, also one whose buffer was freed
-        if self.strategy.optim_sharded and not self.strategy.grads_sharded:
-            buffer = buffer[self.shard_start:self.shard_end]
-        if not self.strategy.optim_sharded:
-            return buffer.detach().clone()
-        full = torch.empty(self.layout.total_numel, dtype=buffer.dtype, device=self.device)
-        self.comm.all_gather(full, buffer.detach().contiguous(), label=f"main grads of {self.name}")
-        return full
-
-    def full_param(self, full_main: torch.Tensor, index: int) -> torch.Tensor:
-        start, end = self.layout.param_range(index)
-        return full_main[start:end].view(self.shapes[index])

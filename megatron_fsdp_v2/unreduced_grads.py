@@ -29,21 +29,24 @@ class UnreducedGrads:
 
     def __init__(self, count: int) -> None:
         self._grads: list[Optional[torch.Tensor]] = [None] * count
+        self._held = 0          # how many are not None (asked at every gradient: no scan)
 
     def add(self, index: int, grad: torch.Tensor) -> None:
         held = self._grads[index]
         # A second gradient in one backward (a parameter used twice): out of place, since the
         # first tensor came from autograd and may be shared with nothing we can see.
         self._grads[index] = grad if held is None else held + grad
+        self._held += held is None
 
     def any(self) -> bool:
-        return any(grad is not None for grad in self._grads)
+        return self._held > 0
 
     def nbytes(self) -> int:
         return sum(grad.numel() * grad.element_size() for grad in self._grads if grad is not None)
 
     def clear(self) -> None:
         self._grads = [None] * len(self._grads)
+        self._held = 0
 
     def write_into(self, flat: torch.Tensor, layout: FlatLayout) -> None:
         """Fill ``flat`` (laid out by ``layout``, any dtype): each parameter's gradient in its range,
@@ -64,3 +67,4 @@ class UnreducedGrads:
                 cursor = max(cursor, end)
             if cursor < flat.numel():
                 flat[cursor:].zero_()
+        self._held = 0

@@ -109,6 +109,11 @@ class FlatRangeShard(torch.Tensor):
         raise TypeError(f"FlatRangeShard (one rank's range of a sharded tensor, for checkpoints) does not support "
                         f"{func}; use .local_flat, or model.full_state_dict() for full tensors.")
 
+    def __reduce_ex__(self, proto):
+        """``torch.save``: the shape, this rank's elements and where they start (a wrapper has no
+        storage of its own to pickle)."""
+        return (FlatRangeShard, (tuple(self.shape), self.local_flat, self.flat_start))
+
     def __repr__(self, *, tensor_contents=None) -> str:
         return (f"FlatRangeShard(shape={tuple(self.shape)}, dtype={self.dtype}, "
                 f"flat range [{self.flat_start}, {self.flat_end}))")

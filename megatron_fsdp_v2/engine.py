@@ -34,6 +34,7 @@ from torch.autograd import Variable
 from .experts import clip_norm_terms
 from .optimizer_hook import watch_optimizer_steps
 from .param_group import ParamGroup, PendingCollective
+from .param_swap import ParamSlots
 from .phase import Phase, PhaseMachine
 from .pre_backward import ForwardRecord, SavedWeightHooks, tensors_needing_grad
 from .row_sharded import local_piece
@@ -140,6 +141,9 @@ class Engine:
         # most one in flight; start_gradient_reduction may issue several).
         self._reduces_in_flight: list[tuple[ParamGroup, PendingCollective]] = []
         self._main_param_ids = {id(m) for g in self.groups for m in g.main_params}
+        # what the module's parameter attributes hold (param_swap.py, [Note: one parameter, one
+        # tensor]); fully_shard installs the swapping one for DTensor parameters
+        self.param_slots = ParamSlots(root, {}, swaps=False)
         self._register_hooks()
         watch_optimizer_steps(self)
 
@@ -191,6 +195,7 @@ class Engine:
     def _root_pre_forward(self, module, args) -> None:
         if self.backward_died():
             self.reset_iteration()
+        self.param_slots.hold_compute()
         training = torch.is_grad_enabled()
         if self.phase.is_(Phase.BACKWARD):
             pass                                  # a forward recomputed inside backward
@@ -225,10 +230,12 @@ class Engine:
                                  else Phase.AWAITING_BACKWARD_NO_SYNC)
             else:
                 self.phase.enter(Phase.IDLE)
+                self.param_slots.hold_main()       # no backward follows (evaluation)
         return output
 
     @torch.compiler.disable
     def _unit_pre_forward(self, unit: Unit) -> None:
+        self.param_slots.hold_compute()           # a unit called on its own, outside the root
         self.forward_order.record(unit)
         if self.strategy.weights_sharded:
             unit.unshard(async_op=False)
@@ -400,6 +407,7 @@ class Engine:
             for unit in self.units:
                 unit.reshard()
         self.phase.enter(Phase.IDLE)
+        self.param_slots.hold_main()
         if backward.reduces:
             self.allocator.step()
 
@@ -554,6 +562,7 @@ class Engine:
         for group in self.groups:
             for main in group.main_params:
                 main.grad = None
+        self.param_slots.hold_main()
         self.allocator.step()
 
     # ------------------------------------------------------------------ per-forward checks

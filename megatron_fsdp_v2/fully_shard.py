@@ -24,6 +24,7 @@ from .mixed_precision import MixedPrecisionPolicy, full_precision_param_ids, res
 from .nested import absorb_wrapped_submodules
 from .optimizer_hook import mark_replaced
 from .param_group import ParamGroup
+from .param_swap import ParamSlots
 from .rank_agreement import check_ranks_agree
 from .experts import check_expert_arguments, check_expert_group_inside, expert_names_refusal, expert_param_ids
 from .replicas import split_process_group
@@ -508,6 +509,8 @@ def fully_shard(
     module._fsdp_engine.check_for_nan_in_grad = bool(check_for_nan_in_grad)
     module._fsdp_engine.broadcast_buffers = bool(broadcast_buffers)
     module._fsdp_engine.unused_grads_are_none = unused_param_grads == "none"
+    module._fsdp_engine.param_slots = ParamSlots(module, main_by_param, swaps=dtensor_params)
+    module._fsdp_engine.param_slots.hold_main()
     for group_comm in (comm, replicas, expert_comm, world):
         if group_comm is not None:
             group_comm.stats.reset()

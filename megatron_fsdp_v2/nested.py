@@ -59,6 +59,7 @@ def absorb_wrapped_submodules(module: nn.Module, strategy, comm, wrapped_class: 
 
 def _unwrap(inner: nn.Module, engine) -> None:
     """Give ``inner`` its whole weights (original dtype) back and make it a plain module again."""
+    engine.param_slots.release()
     with torch.no_grad():
         for group in engine.groups:
             group.wait_unshard()

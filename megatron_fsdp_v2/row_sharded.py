@@ -100,6 +100,12 @@ class RowShardedTensor(DTensor):
             return local
         if func in _MAX_NORM_OPS:
             args = _fill_empty_pieces_for_max_norm(func, args, kwargs)
+        elif func is _aten.copy_.default and _is_full_source(args):
+            return _copy_own_rows(*args[:2])
+        elif func in _METADATA_OPS:
+            return func(*(_meta_like(a) for a in args), **kwargs)
+        else:
+            return _run_on_full_tensors(func, args, kwargs)
         inputs: list = []
         plain_args = tuple(_as_dtensor(a, inputs) for a in args)
         plain_kwargs = {k: _as_dtensor(v, inputs) for k, v in kwargs.items()}
@@ -113,9 +119,99 @@ class RowShardedTensor(DTensor):
             return type(out)(_keep_ours(o, inputs) for o in out)
         return out
 
+    def __reduce_ex__(self, proto):
+        """``torch.save``: this rank's rows (a view of its flat buffer, which the file holds once
+        for all the views in it), the spec and the splits. DTensor's own pickling fails for a local
+        piece at a non-zero storage offset: the wrapper copies the offset, so its data pointer is
+        not 0 and torch reads the wrapper's (absent) storage."""
+        return (_rebuild_row_sharded, (self._local_tensor, self._spec, self.row_splits, self.requires_grad))
+
     def __repr__(self) -> str:  # noqa: D105
         return (f"RowShardedTensor(shape={tuple(self.shape)}, rows here={tuple(self._local_tensor.shape)}, "
                 f"row_splits={self.row_splits}, dtype={self.dtype})")
+
+
+# -- every other op: on the full tensors ------------------------------------------------------
+# [Note: ops on row-snapped shards]
+# DTensor's sharding rules assume torch.chunk pieces: a mean averages the ranks' local means (wrong
+# for uneven rows, nan on a rank holding none), max/min/amax raise on an empty piece while the other
+# ranks wait in a collective, reshape/view of dim 0 cut by chunk sizes. Our pieces are the layout's
+# row splits, so only two kinds of op run on pieces: elementwise ops of one layout (the local fast
+# path below) and the 2/1/inf norms, whose partial results combine whatever the split (clip_grad_norm_).
+# Every other op gathers each sharded argument's rows (one all-gather each, on every rank: the op
+# is the same everywhere, so no rank waits alone), runs on the whole tensors and returns the result
+# as a replicated DTensor: the value the op gives on the full tensor, at the cost of a gather.
+# Results of views and indexing are copies, so an in-place op other than the elementwise ones
+# cannot reach the rows it names: it raises on every rank (before any collective) naming the ways
+# that do. ``copy_`` from a whole tensor is the exception: each rank copies its own rows.
+_METADATA_OPS = {_aten.is_same_size.default}
+
+
+def _meta_like(value):
+    return torch.empty(value.shape, dtype=value.dtype, device="meta") if isinstance(value, DTensor) else value
+
+
+def _is_full_source(args) -> bool:
+    """``copy_(RowShardedTensor, src)`` with ``src`` a plain or replicated tensor of the whole shape."""
+    dst, src = args[0], args[1]
+    if type(dst) is not RowShardedTensor or not isinstance(src, torch.Tensor) or src.shape != dst.shape:
+        return False
+    return not isinstance(src, DTensor) or all(isinstance(p, Replicate) for p in src.placements)
+
+
+def _copy_own_rows(dst: "RowShardedTensor", src: torch.Tensor) -> "RowShardedTensor":
+    full = src._local_tensor if isinstance(src, DTensor) else src
+    rank = dst.device_mesh.get_local_rank()
+    dst._local_tensor.copy_(full[dst.row_splits[rank]:dst.row_splits[rank + 1]])
+    return dst
+
+
+def _full_value(value):
+    if type(value) is RowShardedTensor:
+        return value._gather_rows()
+    if isinstance(value, DTensor):
+        return value.full_tensor()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_full_value(v) for v in value)
+    return value
+
+
+def _first_sharded(value):
+    if type(value) is RowShardedTensor:
+        return value
+    if isinstance(value, (list, tuple, dict)):
+        for v in (value.values() if isinstance(value, dict) else value):
+            found = _first_sharded(v)
+            if found is not None:
+                return found
+    return None
+
+
+def _run_on_full_tensors(func, args, kwargs):
+    sharded = _first_sharded(args)
+    if sharded is None:
+        sharded = _first_sharded(kwargs)
+    if func._schema.is_mutable:
+        raise RuntimeError(
+            f"{func._schema.name} on a sharded parameter (or its grad or optimizer state), {sharded!r}: an in-place "
+            "op other than elementwise ops between tensors of one layout cannot write rows other ranks hold. "
+            "Compute on p.full_tensor() (a copy), write this rank's rows through p.to_local(), or change whole "
+            "weights inside `with summon_full_params(model, writeback=True):`.")
+    mesh = sharded.device_mesh
+    out = func(*_full_value(args), **{k: _full_value(v) for k, v in kwargs.items()})
+    return _replicated(out, mesh)
+
+
+def _replicated(out, mesh: DeviceMesh):
+    if isinstance(out, torch.Tensor) and not isinstance(out, DTensor):
+        from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+        spec = DTensorSpec(mesh, (Replicate(),) * mesh.ndim,
+                           tensor_meta=TensorMeta(shape=out.shape, stride=out.stride(), dtype=out.dtype))
+        return DTensor(out, spec, requires_grad=False)
+    if isinstance(out, (list, tuple)):
+        return type(out)(_replicated(o, mesh) for o in out)
+    return out
 
 
 # -- the local fast path ---------------------------------------------------------------------
@@ -248,6 +344,10 @@ def _fill_empty_pieces_for_max_norm(func, args, kwargs):
     if isinstance(args[0], (list, tuple)):
         return (type(args[0])(fill(t) for t in args[0]), *args[1:])
     return (fill(args[0]), *args[1:])
+
+
+def _rebuild_row_sharded(local: torch.Tensor, spec, row_splits: tuple, requires_grad: bool) -> RowShardedTensor:
+    return _wrap(local, spec, tuple(row_splits), requires_grad)
 
 
 def _wrap(local: torch.Tensor, spec, row_splits: tuple, requires_grad: bool) -> RowShardedTensor:

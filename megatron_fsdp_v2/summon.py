@@ -46,6 +46,8 @@ def summon_full_params(module, recurse: bool = True, writeback: bool = True, ran
         raise RuntimeError(f"summon_full_params() called during {engine.phase.phase.value}; call it between steps.")
     engine.wait_gradient_reduces()
     receives = not rank0_only or engine.comm.rank == 0
+    held_main = engine.param_slots.holding_main
+    engine.param_slots.hold_compute()      # the full weights go on the compute parameters
     restore = []
     gathered = []
     with torch.no_grad():
@@ -71,6 +73,8 @@ def summon_full_params(module, recurse: bool = True, writeback: bool = True, ran
             for param, data, grad in restore:
                 param.data = data
                 param.grad = grad
+            if held_main:
+                engine.param_slots.hold_main()
             if writeback:
                 for group, full_main in gathered:
                     group.main_shard.copy_(full_main[group.shard_start:group.shard_end])

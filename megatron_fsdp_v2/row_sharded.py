@@ -91,6 +91,17 @@ class RowShardedTensor(DTensor):
 
     # -- dispatch ----------------------------------------------------------------------------
     @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        # ``p[index] = value`` reaches dispatch as a copy into an indexed view, which for us is a
+        # gathered copy: the write would be lost. Here it is still one call that can write back.
+        if func is torch.Tensor.__setitem__:
+            return _set_rows(*args)
+        if _REPAIR_INSTALLED:
+            return _repair_torch_function(cls, func, types, args, kwargs)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+    @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         # What DTensor.__torch_dispatch__ does for subclasses (unwrap to DTensor, re-call: the C++
         # fast path), without pytree: optimizers call this for every tensor at every step.
@@ -166,6 +177,18 @@ def _copy_own_rows(dst: "RowShardedTensor", src: torch.Tensor) -> "RowShardedTen
     return dst
 
 
+def _set_rows(target: "RowShardedTensor", index, value) -> None:
+    """``target[index] = value`` on the full tensor, then each rank keeps its rows (a collective: every
+    rank makes the same assignment, as with any op on a sharded tensor)."""
+    if torch.is_grad_enabled() and target.requires_grad:
+        raise RuntimeError("a leaf Variable that requires grad is being used in an in-place operation "
+                           f"(assignment into {target!r}); wrap it in torch.no_grad().")
+    with torch._C.DisableTorchFunctionSubclass():
+        full = target._gather_rows()
+        full[index] = _full_value(value)
+        _copy_own_rows(target, full)
+
+
 def _full_value(value):
     if type(value) is RowShardedTensor:
         return value._gather_rows()
@@ -210,7 +233,7 @@ def _replicated(out, mesh: DeviceMesh):
                            tensor_meta=TensorMeta(shape=out.shape, stride=out.stride(), dtype=out.dtype))
         return DTensor(out, spec, requires_grad=False)
     if isinstance(out, (list, tuple)):
-        return type(out)(_replicated(o, mesh) for o in out)
+        return type(out)([_replicated(o, mesh) for o in out])
     return out
 
 
@@ -417,8 +440,7 @@ def _check_dispatch_reaches_subclass(tensor: RowShardedTensor) -> None:
     with torch._C.DisableTorchFunctionSubclass():
         probe = _aten.alias.default(tensor)
     if type(probe) is not RowShardedTensor:
-        RowShardedTensor.__torch_function__ = classmethod(_repair_torch_function)
-        _REPAIR_INSTALLED = True
+        _REPAIR_INSTALLED = True            # RowShardedTensor.__torch_function__ now repairs
 
 
 def _repair_torch_function(cls, func, types, args=(), kwargs=None):

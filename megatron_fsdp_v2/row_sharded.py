@@ -21,9 +21,10 @@ the splits and overrides exactly those places:
   empty). An empty piece's contribution to a max-norm is 0 (to a min-norm +inf), so such pieces are
   replaced by one row of that value for these two ops only.
 
-Any other op that would move data between ranks by the split (views that reshape dim 0, ops mixing
-with other placements) sees DTensor's ``torch.chunk`` assumption: the optimizers and utilities above
-do not do that; ``full_tensor()`` first, then compute, does.
+* every other op (reductions, indexing, reshapes, ops mixing placements): on the gathered full
+  tensors, so it gives the full tensor's value on every rank ([Note: ops on row-snapped shards]);
+  ``p[index] = value`` writes back each rank's rows; other in-place ops that are not elementwise
+  raise on every rank.
 """
 
 from __future__ import annotations

@@ -502,9 +502,15 @@ def case_zero_partition_cache(ctx, strategy):
             else:
                 with torch.no_grad():
                     model(x, y)
+        # outside forward the gathered weights are gone and the module holds this rank's partition:
+        # the sharded main parameter (one tensor per parameter, as FSDP2's modules hold theirs)
         layer = model.linears[0]
-        held = layer.weight.untyped_storage().nbytes() + layer.bias.untyped_storage().nbytes()
-        ctx.checks.true(held == 0, f"training={training}: the module's weights hold {held} bytes outside forward")
+        compute = {id(e.main_param): e.module_param for e in model.sharded_parameters()}
+        held = sum(compute[id(p)].untyped_storage().nbytes() for p in (layer.weight, layer.bias))
+        ctx.checks.true(held == 0, f"training={training}: the gathered weights hold {held} bytes outside forward")
+        rows = [p.to_local().numel() for p in (layer.weight, layer.bias)]
+        ctx.checks.true(sum(rows) < layer.weight.numel() + layer.bias.numel() or ctx.world == 1,
+                        f"training={training}: the module holds {rows} elements, not this rank's partition")
         ctx.checks.true(live_temporary_bytes(model) == 0, f"training={training}: temporaries still live")
 
 

@@ -46,8 +46,9 @@ def summon_full_params(module, recurse: bool = True, writeback: bool = True, ran
         raise RuntimeError(f"summon_full_params() called during {engine.phase.phase.value}; call it between steps.")
     engine.wait_gradient_reduces()
     receives = not rank0_only or engine.comm.rank == 0
-    held_main = engine.param_slots.holding_main
-    engine.param_slots.hold_compute()      # the full weights go on the compute parameters
+    held_main = engine.param_slots.holding_main and receives
+    if receives:
+        engine.param_slots.hold_compute()      # the full weights go on the compute parameters
     restore = []
     gathered = []
     with torch.no_grad():

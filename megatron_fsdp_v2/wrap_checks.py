@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .comm import Communicator
+from .comm import Communicator, all_gather_single
 from .replicas import HFSDP_STRATEGIES
 
 __all__ = ["check_hybrid_groups", "check_outer_sharding", "check_params", "check_process_group",
@@ -46,8 +46,8 @@ def check_hybrid_groups(shards: Communicator, replicas: Communicator) -> None:
         return
     device = group_device(shards)
     inner_ranks = torch.empty(replicas.size, dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(inner_ranks, torch.tensor([shards.rank], dtype=torch.int64, device=device),
-                                group=replicas.group)
+    all_gather_single(inner_ranks, torch.tensor([shards.rank], dtype=torch.int64, device=device),
+                      group=replicas.group)
     bad = torch.tensor([int(len(set(inner_ranks.tolist())) > 1)], dtype=torch.int64, device=device)
     dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=shards.group)
     dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=replicas.group)

@@ -6,7 +6,8 @@ every flag in it is one of Megatron-LM's, refusals name field, value and flag, a
 warns once and Megatron's defaults warn nothing, docs/megatron_settings.md holds the table. On 2 gloo
 ranks (tiny GPTModel): ``grad_norm_skip_threshold`` skips the step as Megatron does,
 ``megatron_fsdp_main_params_dtype=None`` keeps bf16 main weights (no separate copy), refusals raise
-on every rank, and the launcher refuses the offload flags by name and warns nothing at its defaults.
+on every rank, the launcher refuses the offload flags by name and warns nothing at its defaults, and
+README's CPU command (testing/pretrain_gpt_cpu.py) passes Megatron-LM's argument validation.
 """
 
 from __future__ import annotations
@@ -227,12 +228,22 @@ def _skip_and_main_dtype(batches):
     return out
 
 
+def readme_cpu_command() -> list:
+    """The arguments of README's CPU command (``torchrun ... testing/pretrain_gpt_cpu.py ARGS``)."""
+    text = (REPO / "README.md").read_text()
+    match = re.search(r"```bash\ntorchrun --nproc-per-node 2 testing/pretrain_gpt_cpu\.py (.*?)```", text, re.S)
+    assert match, "README has no CPU command for testing/pretrain_gpt_cpu.py"
+    return match.group(1).replace("\\\n", " ").split()
+
+
 def _launcher(world_size):
     from megatron.training import training
 
     from examples import pretrain_gpt
 
     out = {}
+    readme = pretrain_gpt.parse_args(readme_cpu_command())       # Megatron-LM's parsing and validation
+    out["readme_cpu"] = (readme.data_parallel_sharding_strategy, readme.distributed_backend, readme.train_iters)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         args = pretrain_gpt.parse_args(LAUNCHER_ARGS)
@@ -301,6 +312,13 @@ def test_main_params_dtype_none_keeps_no_separate_main_weights(two_ranks, strate
 def test_refusal_raises_on_every_rank(two_ranks):
     errors = [out["refused_on_every_rank"] for out in two_ranks]
     assert errors[0] == errors[1] and "check_for_large_grads=True (--check-for-large-grads)" in errors[0]
+
+
+def test_readme_cpu_command_is_a_valid_launch(two_ranks):
+    """README's way to run the Megatron path without a GPU names a script that exists and arguments
+    Megatron-LM's validation accepts (the whole run, 4 iterations on 2 gloo ranks, is the README's)."""
+    assert (REPO / "testing" / "pretrain_gpt_cpu.py").is_file()
+    assert two_ranks[0]["readme_cpu"] == ("optim_grads", "gloo", 4)
 
 
 def test_launcher_refuses_offload_by_flag_and_is_quiet_at_defaults(two_ranks):

@@ -34,8 +34,8 @@ Usage (on a GPU node with 2 GPUs)::
 
     python benchmarks/validate_megatron_checkpoint.py --nproc-save 2 --nproc-load 1 --both-directions
 
-``--cpu``: the same runs on CPU (gloo, a smaller model) through Megatron's CPU patches of
-``testing/cpu_compat.py``: a dry run of the logic, not a validation of GPU numerics.
+``--cpu``: the same runs on CPU (gloo, a smaller model) through ``testing/pretrain_gpt_cpu.py`` (the
+launcher under Megatron's CPU patches): a dry run of the logic, not a validation of GPU numerics.
 
 Recorded results: docs/validation.md.
 """
@@ -74,7 +74,7 @@ CPU_MODEL_ARGS = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq
                   "--use-cpu-initialization --distributed-backend gloo " + COMMON_ARGS)
 
 LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ .*?lm loss: ([0-9.E+-]+)")
-CPU_WORKER_FLAG = "--cpu-worker"
+CPU_LAUNCHER = os.path.join(REPO, "testing", "pretrain_gpt_cpu.py")     # the launcher on CPU (gloo)
 
 # Checkpoint entries that are not training state: Megatron's RNG and rerun-machine state (per rank,
 # so they depend on the data-parallel size; byte entries, like the local layers' ``_extra_state``,
@@ -101,8 +101,8 @@ def free_port() -> int:
 
 
 def pretrain(strategy: str, nproc: int, iters: int, extra: list, cpu: bool) -> Run:
-    """One ``torchrun`` of the launcher (on CPU: of this script as its CPU worker)."""
-    target = [os.path.abspath(__file__), CPU_WORKER_FLAG] if cpu else [LAUNCHER]
+    """One ``torchrun`` of the launcher (on CPU: of testing/pretrain_gpt_cpu.py, the launcher on gloo)."""
+    target = [CPU_LAUNCHER] if cpu else [LAUNCHER]
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={free_port()}",
            *target, "--data-parallel-sharding-strategy", strategy, "--train-iters", str(iters),
            *(CPU_MODEL_ARGS if cpu else MODEL_ARGS).split(), *extra]
@@ -423,55 +423,6 @@ class Validation:
         return ok
 
 
-# ---------------------------------------------------------------------------------------------
-# CPU worker: the launcher under Megatron's CPU patches (torchrun runs this script with --cpu-worker)
-# ---------------------------------------------------------------------------------------------
-
-
-def cpu_worker(argv: List[str]) -> None:
-    """Run ``examples/pretrain_gpt.py``'s ``main`` on CPU (gloo) -- FOR ``--cpu`` DRY RUNS ONLY.
-
-    On top of ``testing/cpu_compat.patch_megatron_for_cpu`` (Megatron-Core's CUDA-only spots), the
-    ``torch`` of Megatron-LM's training modules gets a ``torch.cuda`` stand-in (a device "exists",
-    ``set_device`` / memory statistics are no-ops, the CUDA RNG is the patches' CPU generator),
-    ``nn.Module.cuda`` returns the module unchanged (``get_model`` moves the model to the GPU) and
-    the launcher's ``forward_step`` leaves the batch on CPU. The process group is gloo, created here."""
-    import functools
-
-    sys.path[:0] = [REPO, os.path.join(REPO, "examples")]
-    import torch
-
-    import pretrain_gpt
-    from testing import cpu_compat
-
-    class LauncherCuda(cpu_compat._CpuCudaNamespace):
-        is_available = staticmethod(lambda: True)
-        device_count = staticmethod(lambda: 1)
-        set_device = staticmethod(lambda *a, **k: None)
-        max_memory_allocated = memory_allocated = memory_reserved = max_memory_reserved = \
-            staticmethod(lambda *a, **k: 0)
-        reset_peak_memory_stats = staticmethod(lambda *a, **k: None)
-        get_rng_state = staticmethod(lambda *a, **k: cpu_compat._FAKE_CUDA_GENERATOR.get_state())
-        set_rng_state = staticmethod(lambda state, *a, **k: cpu_compat._FAKE_CUDA_GENERATOR.set_state(state))
-
-    def forward_step(data_iterator, model):
-        batch = next(data_iterator)
-        output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"])
-        return output, functools.partial(pretrain_gpt.loss_func, batch["loss_mask"])
-
-    modules = ["megatron.training.initialize", "megatron.training.training", "megatron.training.checkpointing",
-               "megatron.training.utils.common_utils", "megatron.training.utils.utils",
-               "megatron.training.dist_signal_handler", "megatron.training.global_vars", "megatron.core.timers",
-               "megatron.core.rerun_state_machine"]
-    pretrain_gpt.forward_step = forward_step
-    torch.nn.Module.cuda = lambda self, *a, **k: self
-    torch.distributed.init_process_group("gloo")
-    with cpu_compat.patch_megatron_for_cpu(*modules):
-        sys.modules[modules[0]].torch.cuda = LauncherCuda()     # the shim all patched modules share
-        pretrain_gpt.main(argv)
-    torch.distributed.destroy_process_group()
-
-
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", default="optim_grads_params:optim_grads_params,optim_grads_params:no_shard,"
@@ -492,7 +443,4 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == [CPU_WORKER_FLAG]:
-        cpu_worker(sys.argv[2:])
-        sys.exit(0)
     sys.exit(0 if Validation(parse_args()).main() else 1)

@@ -19,7 +19,8 @@ other settings) or ``--use-torch-fsdp2``.
 An example, not library code: it lives outside the installed package, and its pieces
 (``parse_args``, ``use_fully_sharded_data_parallel``, ``model_provider``, ``forward_step``) are
 meant to be copied into a training script. It uses only the public API of
-``megatron_fsdp_v2.megatron`` (``FullyShardedDataParallel``, ``get_optimizer``).
+``megatron_fsdp_v2.megatron`` (``FullyShardedDataParallel``, ``get_optimizer``,
+``check_optimizer_config``).
 
 How our class gets in (the hook is installed only inside ``main()``, by
 ``use_fully_sharded_data_parallel()``, and undone afterwards):
@@ -55,7 +56,7 @@ from typing import List, Optional
 import torch
 
 from megatron_fsdp_v2 import STRATEGY_NAMES
-from megatron_fsdp_v2.megatron import FullyShardedDataParallel, get_optimizer
+from megatron_fsdp_v2.megatron import FullyShardedDataParallel, check_optimizer_config, get_optimizer
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +75,8 @@ _FORBIDDEN_FLAGS = {
 
 
 def check_launcher_args(args: argparse.Namespace) -> None:
-    """Reject flags that would pick another wrapper; applied before Megatron's validation."""
+    """Reject flags that would pick another wrapper, and the optimizer flags settings.py refuses;
+    applied before Megatron's validation."""
     problems = [text for flag, text in _FORBIDDEN_FLAGS.items() if getattr(args, flag, False)]
     strategy = getattr(args, "data_parallel_sharding_strategy", None)
     if strategy not in STRATEGY_NAMES:
@@ -88,6 +90,9 @@ def check_launcher_args(args: argparse.Namespace) -> None:
         problems.append("this launcher trains on mock data only; drop --data-path / --train-data-path")
     if problems:
         raise ValueError("examples/pretrain_gpt.py: " + "; ".join(problems) + ".")
+    # The optimizer flags (named as OptimizerConfig's fields), before Megatron's validation asserts
+    # on some of them without naming ours: e.g. --optimizer-cpu-offload is refused by its name.
+    check_optimizer_config(vars(args), strategy, where="examples/pretrain_gpt.py")
 
 
 @contextlib.contextmanager

@@ -37,6 +37,14 @@ import torch.distributed as dist
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
 
+# torch 2.13 renamed the flat-tensor collectives (all_gather_into_tensor -> all_gather_single,
+# reduce_scatter_tensor -> reduce_scatter_single) and the old names print a FutureWarning at every
+# call; older torch (2.11 on the GPU hosts) has only the old names. Every flat all-gather and
+# reduce-scatter of the package goes through these two.
+all_gather_single = dist.all_gather_single if hasattr(dist, "all_gather_single") else dist.all_gather_into_tensor
+reduce_scatter_single = (dist.reduce_scatter_single if hasattr(dist, "reduce_scatter_single")
+                         else dist.reduce_scatter_tensor)
+
 # [Note: checking the sequence of collectives]
 # Ranks whose control flow differs (a unit skipped on one rank) issue different collectives; NCCL
 # and gloo then hang until the process-group timeout or abort with no Python error. With this
@@ -92,7 +100,7 @@ class Communicator:
         what = f"{kind} of {tensor.numel()} x {str(tensor.dtype).replace('torch.', '')} for {label or '?'}"
         mine = torch.tensor([_fingerprint(what)], dtype=torch.int64, device=tensor.device)
         everyone = torch.empty(self.size, dtype=torch.int64, device=tensor.device)
-        dist.all_gather_into_tensor(everyone, mine, group=self.group)
+        all_gather_single(everyone, mine, group=self.group)
         if len(set(everyone.tolist())) == 1:
             return
         described: list = [None] * self.size
@@ -108,15 +116,14 @@ class Communicator:
         if self.check_sequence:
             self._check_same_collective("all_gather", output, label)
         self.stats.record("all_gather", output)
-        return dist.all_gather_into_tensor(output, shard, group=self.group, async_op=async_op)
+        return all_gather_single(output, shard, group=self.group, async_op=async_op)
 
     def reduce_scatter(self, shard_out: torch.Tensor, full: torch.Tensor, async_op: bool = False, label: str = ""):
         """Sum ``full`` over ranks and leave this rank's equal slice of the sum in ``shard_out``."""
         if self.check_sequence:
             self._check_same_collective("reduce_scatter", full, label)
         self.stats.record("reduce_scatter", full)
-        return dist.reduce_scatter_tensor(shard_out, full, op=dist.ReduceOp.SUM, group=self.group,
-                                          async_op=async_op)
+        return reduce_scatter_single(shard_out, full, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
 
     def all_reduce(self, tensor: torch.Tensor, async_op: bool = False, label: str = "",
                    op: dist.ReduceOp = dist.ReduceOp.SUM):

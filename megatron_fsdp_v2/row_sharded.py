@@ -39,6 +39,8 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from .comm import all_gather_single
+
 __all__ = ["RowShardedTensor", "gather_rows", "local_piece", "mesh_of_group", "row_sharded"]
 
 _aten = torch.ops.aten
@@ -388,7 +390,7 @@ def gather_rows(local: torch.Tensor, row_splits: Sequence[int], group) -> torch.
     padded = local.new_zeros((most, *local.shape[1:]))
     padded[:local.shape[0]].copy_(local)
     gathered = local.new_empty((len(counts) * most, *local.shape[1:]))
-    dist.all_gather_into_tensor(gathered, padded.contiguous(), group=group)
+    all_gather_single(gathered, padded.contiguous(), group=group)
     return torch.cat([gathered[r * most:r * most + n] for r, n in enumerate(counts)])
 
 

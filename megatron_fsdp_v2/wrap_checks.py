@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .comm import Communicator
+from .comm import Communicator, all_gather_single
 from .replicas import HFSDP_STRATEGIES
 
 __all__ = ["check_hybrid_groups", "check_outer_sharding", "check_params", "check_process_group",
@@ -46,8 +46,8 @@ def check_hybrid_groups(shards: Communicator, replicas: Communicator) -> None:
         return
     device = group_device(shards)
     inner_ranks = torch.empty(replicas.size, dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(inner_ranks, torch.tensor([shards.rank], dtype=torch.int64, device=device),
-                                group=replicas.group)
+    all_gather_single(inner_ranks, torch.tensor([shards.rank], dtype=torch.int64, device=device),
+                      group=replicas.group)
     bad = torch.tensor([int(len(set(inner_ranks.tolist())) > 1)], dtype=torch.int64, device=device)
     dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=shards.group)
     dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=replicas.group)
@@ -102,20 +102,51 @@ def check_params(module: nn.Module) -> torch.device:
     return params[0].device
 
 
+def _described_params(module: nn.Module) -> list:
+    return [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in module.named_parameters()]
+
+
+def _what(entry: tuple) -> str:
+    _, shape, dtype, requires_grad = entry
+    return f"shape {shape} dtype {dtype}{'' if requires_grad else ' (frozen)'}"
+
+
+def first_difference(mine: list, theirs: list, my_rank: int, their_rank: int) -> str:
+    """The first parameter (in ``named_parameters`` order) that two ranks describe differently,
+    with what each rank has: what a user needs to find the rank-dependent branch of model code."""
+    for index, (a, b) in enumerate(zip(mine, theirs)):
+        if a == b:
+            continue
+        if a[0] == b[0]:
+            return (f"first difference: parameter {a[0]!r} is {_what(a)} on rank {my_rank} but {_what(b)} "
+                    f"on rank {their_rank}")
+        return (f"first difference: parameter #{index} is {a[0]!r} ({_what(a)}) on rank {my_rank} but "
+                f"{b[0]!r} ({_what(b)}) on rank {their_rank}")
+    common = min(len(mine), len(theirs))
+    longer, rank, other = (mine, my_rank, their_rank) if len(mine) > common else (theirs, their_rank, my_rank)
+    return (f"first difference: rank {rank} has {len(longer)} parameters, rank {other} {common}; the first "
+            f"extra one is {longer[common][0]!r} ({_what(longer[common])})")
+
+
 def check_same_model_on_all_ranks(module: nn.Module, comm: Communicator, device: torch.device) -> None:
-    """Compare a digest of (name, shape, dtype) across ranks so a mismatch errors instead of hanging."""
+    """Compare a digest of (name, shape, dtype) across ranks so a mismatch errors instead of hanging.
+    On a mismatch (seen by every rank, so all of them enter) the ranks exchange their parameter
+    lists to name the first parameter that differs."""
     if dist.get_backend(comm.group) == "fake":      # torch's fake group (memory studies): no real data moves
         return
-    text = ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad}" for n, p in module.named_parameters())
+    described = _described_params(module)
+    text = ";".join(f"{n}:{shape}:{dtype}:{rg}" for n, shape, dtype, rg in described)
     digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
     mine = torch.tensor([digest], dtype=torch.int64, device=device)
     everyone = torch.empty(comm.size, dtype=torch.int64, device=device)
     comm.all_gather(everyone, mine, label="model digest (wrap-time check)")
     differing = [r for r, d in enumerate(everyone.tolist()) if d != digest]
     if differing:
+        lists = comm.all_gather_object(described)
+        detail = first_difference(described, lists[differing[0]], comm.rank, differing[0])
         raise ValueError(
             f"module: parameter names/shapes/dtypes differ between data-parallel ranks: rank {comm.rank} "
-            f"disagrees with ranks {differing}. Every rank must build the same model before fully_shard.")
+            f"disagrees with ranks {differing}; {detail}. Every rank must build the same model before fully_shard.")
 
 
 def sync_module_states(module: nn.Module, comm: Communicator, skip: frozenset = frozenset(),

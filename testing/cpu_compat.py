@@ -25,6 +25,8 @@ from typing import Any, Callable, List, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_fsdp_v2.comm import all_gather_single, reduce_scatter_single
+
 __all__ = [
     "UNFUSED_KERNELS",
     "patch_megatron_for_cpu",
@@ -280,7 +282,7 @@ def _gloo_uneven_gather(original):
         padded = input_.new_zeros((most, *input_.shape[1:]))
         padded[:input_.shape[0]] = input_
         out = input_.new_empty((most * group.size(), *input_.shape[1:]))
-        dist.all_gather_into_tensor(out, padded, group=group)
+        all_gather_single(out, padded, group=group)
         return torch.cat([out[r * most:r * most + n] for r, n in enumerate(output_split_sizes)])
     return gather
 
@@ -297,7 +299,7 @@ def _gloo_uneven_reduce_scatter(original):
         for r, piece in enumerate(torch.split(input_, input_split_sizes, dim=0)):
             padded[r * most:r * most + piece.shape[0]] = piece
         out = input_.new_empty((most, *input_.shape[1:]))
-        dist.reduce_scatter_tensor(out, padded, group=group)
+        reduce_scatter_single(out, padded, group=group)
         return out[:input_split_sizes[group.rank()]].contiguous()
     return reduce_scatter
 

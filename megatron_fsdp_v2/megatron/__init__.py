@@ -6,6 +6,9 @@
   ``optim_grads_params``).
 * ``get_optimizer`` (``optimizer.py``): ``megatron.core.optimizer.get_megatron_optimizer`` for
   wrapped model chunks (weight decay by the parameters' original shapes, correct global grad norm).
+* ``settings``: what happens to every field of ``DistributedDataParallelConfig`` and
+  ``OptimizerConfig`` (honoured, refused, or warned once), as one table (docs/megatron_settings.md);
+  ``check_ddp_config`` / ``check_optimizer_config`` apply it.
 * ``dist_checkpoint``: Megatron's ``dist_checkpointing`` (``--ckpt-format torch_dist``) for both:
   ``wrapper.sharded_state_dict()`` / ``optimizer.sharded_state_dict()`` and their ``load_state_dict``;
   ``save_dist_checkpoint`` / ``load_dist_checkpoint`` do both in one call.
@@ -27,6 +30,8 @@ _EXPORTS = {
     "WeightRefreshForMegatronOptimizer": "adapter",
     "ORIGINAL_SHAPE_ATTR": "adapter",
     "checkpoint_targets": "dcp_checkpoint",
+    "check_ddp_config": "settings",
+    "check_optimizer_config": "settings",
     "get_optimizer": "optimizer",
     "load_checkpoint": "dcp_checkpoint",
     "save_checkpoint": "dcp_checkpoint",

@@ -21,7 +21,7 @@ with context parallel)                             pipeline stages are never red
 and no ZeRO-3: one root unit)                      buckets for the other strategies)
 ``config.bf16`` / ``config.fp16``                  ``param_dtype`` (compute weights); main weights
                                                    ``ddp_config.megatron_fsdp_main_params_dtype``
-                                                   (fp32), grads fp32
+                                                   (fp32; ``None``: the compute dtype), grads alike
 ``grad_reduce_in_fp32`` (else the param dtype),    ``grad_comm_dtype``
 ``megatron_fsdp_grad_comm_dtype`` overrides
 ``overlap_grad_reduce=False``                      grads of ``no_shard``/``optim`` accumulate
@@ -38,6 +38,9 @@ experts (``allreduce=False``; ``--num-experts``,   ``expert_process_group``: Meg
                                                    by ``finalize_model_grads`` with 1/tokens)
                                                    multiplies by the DP size to give Megatron's sums
 =================================================  ===============================================
+
+Every field of ``DistributedDataParallelConfig`` is honoured, refused or warned about (once) as
+``settings.py``'s table says (docs/megatron_settings.md).
 
 The class derives from Megatron's ``DistributedDataParallel`` (so ``training.py``'s
 ``isinstance(model[0], (megatron_FSDP, DDP))`` gates, ``unwrap_model`` and the optimizer see a
@@ -80,6 +83,7 @@ from .model_parallel import (TiedEmbeddingGradSum, check_tensor_parallel_peers_s
 from .dist_checkpoint import (install_model_checkpointing, megatron_layout, model_sharded_state_dict,
                               model_values_from_loaded)
 from ..mixed_precision import MixedPrecisionPolicy
+from .settings import check_ddp_config, main_params_dtype
 from ..strategy import STRATEGY_NAMES, get_strategy
 
 logger = logging.getLogger(__name__)
@@ -138,7 +142,8 @@ def _parallel_sizes(pg_collection) -> dict:
 
 def _unsupported_settings(config: TransformerConfig, ddp_config: DistributedDataParallelConfig,
                           module: nn.Module, sizes: dict) -> List[str]:
-    """Every setting this wrapper cannot honour, each naming the setting and its flag."""
+    """Every model-config setting (and combination with the model) this wrapper cannot honour, each
+    naming the setting and its flag; ``ddp_config``'s own fields are settings.py's table."""
     problems = []
 
     def check(bad: bool, text: str) -> None:
@@ -172,40 +177,21 @@ def _unsupported_settings(config: TransformerConfig, ddp_config: DistributedData
     check(getattr(config, "cuda_graph_impl", "none") not in (None, "none"),
           f"cuda_graph_impl={getattr(config, 'cuda_graph_impl', None)!r} (--cuda-graph-impl): CUDA graphs "
           "are not supported")
-    check(bool(ddp_config.fp8_param_gather), "fp8_param_gather=True (--fp8-param-gather) is not supported")
-    check(bool(getattr(ddp_config, "fp4_param_gather", False)),
-          "fp4_param_gather=True (--fp4-param-gather) is not supported")
-    check(bool(getattr(ddp_config, "reuse_grad_buf_for_mxfp8_param_ag", False)),
-          "reuse_grad_buf_for_mxfp8_param_ag=True (--reuse-grad-buf-for-mxfp8-param-ag) is not supported")
-    outer = getattr(ddp_config, "outer_dp_sharding_strategy", "no_shard")
-    check(outer not in ("no_shard", "optim"),
-          f"outer_dp_sharding_strategy={outer!r} (--outer-dp-sharding-strategy): 'no_shard' (HSDP) or 'optim' "
-          "(HFSDP) are supported")
-    check(outer == "optim" and ddp_config.num_distributed_optimizer_instances < 2,
-          "outer_dp_sharding_strategy='optim' (--outer-dp-sharding-strategy) shards across distributed-optimizer "
-          "instances: it needs num_distributed_optimizer_instances > 1 (--num-distributed-optimizer-instances)")
-    check(outer == "optim" and ddp_config.data_parallel_sharding_strategy == "no_shard",
-          "outer_dp_sharding_strategy='optim' (--outer-dp-sharding-strategy) with data_parallel_sharding_strategy="
-          "'no_shard': the inner strategy must shard the optimizer state ('optim', 'optim_grads' or "
-          "'optim_grads_params')")
-    check(bool(getattr(ddp_config, "nccl_ub", False)),
-          "nccl_ub=True (--use-nccl-ub): NCCL user-buffer registration is not supported")
-    check(bool(getattr(ddp_config, "megatron_fsdp_use_decoupled_grad", False)),
-          "megatron_fsdp_use_decoupled_grad=True: decoupled gradients are not supported")
+    check(bool(getattr(config, "delay_wgrad_compute", False)),
+          "delay_wgrad_compute=True (--delay-wgrad-compute): weight gradients computed later by backward_dw() "
+          "would bypass this wrapper's gradient reduction")
     return problems
 
 
 def _mixed_precision(config: TransformerConfig, ddp_config: DistributedDataParallelConfig) -> MixedPrecisionPolicy:
+    """Compute weights in bf16/fp16 per ``config``; main weights (and the gradients, which a main
+    weight's ``.grad`` views) in ``megatron_fsdp_main_params_dtype``, with ``None`` the compute dtype
+    (settings.py checked ``megatron_fsdp_main_grads_dtype`` against it)."""
     if config.bf16 and config.fp16:
         raise ValueError("config: bf16 and fp16 are both set; choose one (--bf16 or --fp16).")
     param_dtype = torch.bfloat16 if config.bf16 else torch.float16 if config.fp16 else None
-    main = getattr(ddp_config, "megatron_fsdp_main_params_dtype", None) or torch.float32
+    main = main_params_dtype(config, ddp_config)
     grads = getattr(ddp_config, "megatron_fsdp_main_grads_dtype", None) or main
-    if grads != main:
-        raise ValueError(
-            f"ddp_config.megatron_fsdp_main_grads_dtype must equal megatron_fsdp_main_params_dtype ({main}) "
-            f"with megatron_fsdp_v2, got {grads}; lower-precision gradient reduction is "
-            f"megatron_fsdp_grad_comm_dtype (or grad_reduce_in_fp32=False).")
     comm = getattr(ddp_config, "megatron_fsdp_grad_comm_dtype", None)
     if comm is None:
         comm = torch.float32 if (ddp_config.grad_reduce_in_fp32 or param_dtype is None) else param_dtype
@@ -276,9 +262,9 @@ class FullyShardedDataParallel(DistributedDataParallel):
             if elsewhere:
                 raise ValueError(f"device={device}: module parameters are on {elsewhere}; move the module "
                                  "before wrapping it.")
-        problems = _unsupported_settings(config, ddp_config, module, _parallel_sizes(pg_collection))
-        if problems:
-            raise ValueError("FullyShardedDataParallel does not support: " + "; ".join(problems) + ".")
+        # every field of ddp_config: honoured, refused (raised here, on every rank) or warned once
+        check_ddp_config(ddp_config, config, _unsupported_settings(config, ddp_config, module,
+                                                                   _parallel_sizes(pg_collection)))
         dp_group = data_parallel_group(pg_collection)
         # --num-distributed-optimizer-instances N: hybrid sharding, each instance shards within
         # its ranks (Megatron's intra group) and the instances average gradients (replicas.py)

@@ -4,8 +4,8 @@
 ``megatron.core.optimizer.get_megatron_optimizer`` and returns what it returns, built on the
 wrapper's main weights (``wrapper.named_parameters()``: this rank's fp32 rows of each parameter,
 ``[rows_here, *shape[1:]]``, for the sharded strategies). It differs from calling
-``get_megatron_optimizer`` directly in four places, each because the optimizer-facing parameters
-are pieces:
+``get_megatron_optimizer`` directly in five places (1-3 and 5 because the optimizer-facing
+parameters are pieces):
 
 1. **Weight decay by original shape.** Megatron's standard overrides skip weight decay for
    ``len(param.shape) == 1`` or names ending in ``.bias``: a piece keeps its dimensions, but a
@@ -26,14 +26,19 @@ are pieces:
    model-parallel group only (summing replicas would make the norm sqrt(dp) too large); with
    experts, over the whole instance, each replicated gradient counted on one rank of its group.
 
-4. **Checkpoints.** Each leaf optimizer gets ``ShardedOptimizerCheckpoint`` (dist_checkpoint.py):
+4. **Settings.** Every ``OptimizerConfig`` field is honoured, refused or warned about once as
+   ``settings.py``'s table says; a finite ``grad_norm_skip_threshold`` returns a
+   ``ChainedOptimizer`` (Megatron skips large-norm steps there only; its FSDP path's bare optimizer
+   would step).
+
+5. **Checkpoints.** Each leaf optimizer gets ``ShardedOptimizerCheckpoint`` (dist_checkpoint.py):
    ``sharded_state_dict`` / ``load_state_dict`` for Megatron's ``dist_checkpointing``
    (``--ckpt-format torch_dist``), resharding across dp sizes and strategies; Megatron's own
    version only knows Megatron-FSDP's DTensors on this path.
 
 Calling ``get_megatron_optimizer`` directly also works for ``adam`` with
 ``use_distributed_optimizer=True`` (what ``--use-megatron-fsdp`` forces): Megatron then picks the
-same groups as item 3; item 1 needs ``config_overrides=with_original_shapes(...)`` and item 4
+same groups as item 3; item 1 needs ``config_overrides=with_original_shapes(...)`` and item 5
 ``install_optimizer_checkpointing(optimizer, model_chunks)``.
 """
 
@@ -41,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Dict, List, Optional
 
 import torch
@@ -53,11 +59,13 @@ from megatron.core.optimizer import (
     get_megatron_optimizer,
     get_standard_config_overrides,
 )
+from megatron.core.optimizer.optimizer import ChainedOptimizer
 from megatron.core.optimizer.optimizer_config import ParamWithNamePredicate
 
 from .adapter import ORIGINAL_SHAPE_ATTR, FullyShardedDataParallel
 from .dist_checkpoint import install_optimizer_checkpointing
 from .model_parallel import is_expert_parameter
+from .settings import check_optimizer_config
 
 
 def _stand_in(param: torch.Tensor) -> torch.Tensor:
@@ -121,24 +129,6 @@ def _leaf_optimizers(optimizer) -> List:
     return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
 
 
-def _check_optimizer_config(config: OptimizerConfig) -> None:
-    problems = []
-    if config.optimizer not in ("adam", "sgd"):
-        problems.append(f"optimizer={config.optimizer!r} (--optimizer): only 'adam' and 'sgd' step flat "
-                        "parameter shards (layer-wise optimizers need whole matrices)")
-    if config.optimizer == "sgd" and config.fp16:
-        problems.append("optimizer='sgd' with fp16: loss scaling needs optimizer='adam'")
-    if getattr(config, "use_precision_aware_optimizer", False):
-        problems.append("use_precision_aware_optimizer=True (--use-precision-aware-optimizer)")
-    if getattr(config, "optimizer_cpu_offload", False):
-        problems.append("optimizer_cpu_offload=True (--optimizer-cpu-offload)")
-    if getattr(config, "overlap_param_gather_with_optimizer_step", False):
-        problems.append("overlap_param_gather_with_optimizer_step=True "
-                        "(--overlap-param-gather-with-optimizer-step)")
-    if problems:
-        raise ValueError("get_optimizer: FullyShardedDataParallel does not support " + "; ".join(problems) + ".")
-
-
 def get_optimizer(
     config: OptimizerConfig,
     model_chunks,
@@ -161,10 +151,12 @@ def get_optimizer(
     if not all(ours):
         raise ValueError("model_chunks: mix of FullyShardedDataParallel and other wrappers; wrap every chunk "
                          "with the same class.")
-    _check_optimizer_config(config)
     strategies = {chunk.strategy.name for chunk in chunks}
     if len(strategies) != 1:
         raise ValueError(f"model_chunks: all chunks must use one sharding strategy, got {sorted(strategies)}.")
+    # every field of config: honoured, refused (raised here) or warned once (settings.py)
+    check_optimizer_config({f.name: getattr(config, f.name) for f in dataclasses.fields(config)}, *strategies,
+                           main_dtype=chunks[0].mixed_precision.main_params_dtype)
 
     if config_overrides is None:
         config_overrides = get_standard_config_overrides(config)
@@ -193,4 +185,8 @@ def get_optimizer(
             leaf.grad_stats_parallel_group = group
             _count_replicated_grads_once(leaf, chunks[0])
     install_optimizer_checkpointing(optimizer, chunks)
+    if math.isfinite(config.grad_norm_skip_threshold) and not isinstance(optimizer, ChainedOptimizer):
+        # Megatron skips a step whose grad norm exceeds the threshold in ChainedOptimizer.step only
+        # (its DDP path always returns one; its FSDP path returns the bare optimizer, which steps).
+        optimizer = ChainedOptimizer([optimizer])
     return optimizer

@@ -93,5 +93,21 @@ def _mismatch_worker(rank, world_size):
 def test_ranks_with_different_models_fail_fast_instead_of_hanging():
     messages = run_distributed(_mismatch_worker, 2)
     assert messages[0] == ("module: parameter names/shapes/dtypes differ between data-parallel ranks: rank 0 "
-                           "disagrees with ranks [1]. Every rank must build the same model before fully_shard.")
-    assert messages[1] is not None and "rank 1 disagrees with ranks [0]" in messages[1]
+                           "disagrees with ranks [1]; first difference: parameter 'proj.weight' is shape (13, 7) "
+                           "dtype torch.float32 on rank 0 but shape (14, 7) dtype torch.float32 on rank 1. Every "
+                           "rank must build the same model before fully_shard.")
+    assert messages[1] is not None and ("rank 1 disagrees with ranks [0]; first difference: parameter "
+                                        "'proj.weight' is shape (14, 7) dtype torch.float32 on rank 1 but shape "
+                                        "(13, 7) dtype torch.float32 on rank 0") in messages[1]
+
+
+def test_first_difference_names_a_missing_or_renamed_parameter():
+    from megatron_fsdp_v2.wrap_checks import first_difference
+
+    a = [("w", (2, 3), "torch.float32", True), ("b", (3,), "torch.float32", True)]
+    assert first_difference(a, a[:1], 0, 2) == ("first difference: rank 0 has 2 parameters, rank 2 1; the first "
+                                                "extra one is 'b' (shape (3,) dtype torch.float32)")
+    renamed = [a[0], ("c", (3,), "torch.bfloat16", False)]
+    assert first_difference(a, renamed, 0, 1) == (
+        "first difference: parameter #1 is 'b' (shape (3,) dtype torch.float32) on rank 0 but 'c' "
+        "(shape (3,) dtype torch.bfloat16 (frozen)) on rank 1")

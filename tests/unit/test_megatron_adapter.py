@@ -540,12 +540,16 @@ def test_lower_precision_main_grads_are_rejected_naming_the_setting():
     from megatron.core.distributed import DistributedDataParallelConfig
 
     from megatron_fsdp_v2.megatron.adapter import _mixed_precision
+    from megatron_fsdp_v2.megatron.settings import check_ddp_config
 
     config = types.SimpleNamespace(bf16=True, fp16=False)
     ddp_config = DistributedDataParallelConfig(megatron_fsdp_main_grads_dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match=r"ddp_config.megatron_fsdp_main_grads_dtype must equal "
+    with pytest.raises(ValueError, match=r"megatron_fsdp_main_grads_dtype=torch.bfloat16 "
+                                         r"\(--megatron-fsdp-main-grads-dtype\): it must equal "
                                          r"megatron_fsdp_main_params_dtype \(torch.float32\)"):
-        _mixed_precision(config, ddp_config)
+        check_ddp_config(ddp_config, config)
     policy = _mixed_precision(config, DistributedDataParallelConfig(grad_reduce_in_fp32=False))
     assert (policy.param_dtype, policy.main_grads_dtype, policy.grad_comm_dtype) == \
         (torch.bfloat16, torch.float32, torch.bfloat16)
+    policy = _mixed_precision(config, DistributedDataParallelConfig(megatron_fsdp_main_params_dtype=None))
+    assert (policy.main_params_dtype, policy.main_grads_dtype) == (torch.bfloat16, torch.bfloat16)

@@ -11,6 +11,7 @@ from .safe_reader import SafeFileSystemReader, UnsafeCheckpointError
 from .fully_shard import FullyShardedModule, fully_shard
 from .summon import summon_full_params
 from .mixed_precision import MixedPrecisionPolicy
+from .plan import Plan, plan  # noqa: E402  (the function; the package stays importable as megatron_fsdp_v2.plan)
 from .strategy import STRATEGIES, STRATEGY_NAMES, ShardingStrategy, get_strategy
 
 __all__ = [
@@ -18,6 +19,7 @@ __all__ = [
     "ChecksummedFileSystemWriter",
     "FullyShardedModule",
     "MixedPrecisionPolicy",
+    "Plan",
     "STRATEGIES",
     "STRATEGY_NAMES",
     "SafeFileSystemReader",
@@ -29,6 +31,7 @@ __all__ = [
     "load_checkpoint",
     "load_optimizer_state_dict",
     "optimizer_state_dict",
+    "plan",
     "save_checkpoint",
     "summon_full_params",
 ]

@@ -31,7 +31,7 @@ from .row_sharded import mesh_of_group
 from .strategy import ShardingStrategy, get_strategy
 from .meta_init import has_meta_state, initialize_meta_model, replace_meta_parameters
 from .summon import summon_full_params
-from .units import assign_units
+from .units import assign_units, group_specs
 from .wrap_checks import (check_hybrid_groups, check_outer_sharding, check_params, check_process_group,
                           check_same_model_on_all_ranks, group_device, sync_module_states)
 
@@ -459,24 +459,18 @@ def fully_shard(
     for unit_index, spec in enumerate(specs):
         policy = policy_of.get(id(spec.module), mixed_precision)
         full_precision = full_precision_param_ids(spec.module, policy)
-        buckets: "OrderedDict[tuple, list]" = OrderedDict()
-        for first_name, names, param in spec.params:
-            child = first_name.split(".", 1)[0] if reduce_root_per_child and spec.is_root and "." in first_name else ""
-            key = (param.dtype, param.requires_grad, id(param) in full_precision, id(param) in experts, child)
-            buckets.setdefault(key, []).append((first_name, names, param))
         groups = []
-        for (dtype, requires_grad, keep_precision, expert, child), entries in buckets.items():
-            tag = (f"{spec.fqn or '<root>'}{'/' + child if child else ''}/{str(dtype).replace('torch.', '')}/"
-                   f"{'grad' if requires_grad else 'frozen'}"
-                   f"{'/full_precision' if keep_precision else ''}{'/experts' if expert else ''}")
-            group = ParamGroup(tag, [e[2] for e in entries], [e[0] for e in entries], strategy,
+        for gspec in group_specs(spec, full_precision, experts, reduce_root_per_child):
+            entries, expert = gspec.entries, gspec.expert
+            group = ParamGroup(gspec.tag, [e[2] for e in entries], [e[0] for e in entries], strategy,
                                expert_comm if expert else shard_comm,
-                               resolve_dtypes(dtype, policy, requires_grad, keep_precision), alloc, device,
+                               resolve_dtypes(gspec.dtype, policy, gspec.requires_grad, gspec.full_precision),
+                               alloc, device,
                                alignment, expert_mesh if expert else mesh,
                                levels=(comm, replicas) if world is not None else None)
             group.all_names = [e[1] for e in entries]
             group.grads.persistent = persistent_grads
-            group.param_dtype = dtype
+            group.param_dtype = gspec.dtype
             groups.append(group)
             for first_name, _, param in entries:
                 mark_replaced(param, first_name)

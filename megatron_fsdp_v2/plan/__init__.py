@@ -1,0 +1,13 @@
+"""Know before launch: per-rank memory and communication of each sharding strategy
+(``plan``), and the choice ``fully_shard(sharding_strategy="auto")`` makes from it.
+
+Files: groups.py (the groups fully_shard would build, from its own code), memory.py (bytes kept
+per kind), schedule.py (one step's temporaries and collectives), report.py (records, table),
+auto.py (the choice), planner.py (``plan``), __main__.py (``python -m megatron_fsdp_v2.plan``).
+"""
+
+from .auto import NoPlanFitsError, choose
+from .planner import plan, plan_candidates
+from .report import Plan, StrategyPlan
+
+__all__ = ["NoPlanFitsError", "Plan", "StrategyPlan", "choose", "plan", "plan_candidates"]

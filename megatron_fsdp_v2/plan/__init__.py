@@ -9,5 +9,6 @@ auto.py (the choice), planner.py (``plan``), __main__.py (``python -m megatron_f
 from .auto import NoPlanFitsError, choose
 from .planner import plan, plan_candidates
 from .report import Plan, StrategyPlan
+from .resolve import AutoStrategy
 
-__all__ = ["NoPlanFitsError", "Plan", "StrategyPlan", "choose", "plan", "plan_candidates"]
+__all__ = ["AutoStrategy", "NoPlanFitsError", "Plan", "StrategyPlan", "choose", "plan", "plan_candidates"]

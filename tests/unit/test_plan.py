@@ -112,3 +112,92 @@ def test_plan_equals_what_the_engine_holds_and_counts(world_size, shape, model_n
         assert results[(model_name, strategy, shape, "storage_freeing")]["peak"] == \
                planned.temporaries["storage_freeing"], rank
         assert results[(model_name, strategy, shape, "trace_pool")]["pool"] == planned.temporaries["trace_pool"], rank
+
+
+# -- sharding_strategy="auto" ------------------------------------------------------------------
+
+def _auto_worker(rank, world_size, budgets):
+    """fully_shard(sharding_strategy="auto") with a per-rank budget: the strategy, the log, or the error."""
+    import logging
+
+    from megatron_fsdp_v2 import AutoStrategy
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logger = logging.getLogger("megatron_fsdp_v2")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        model = fully_shard(UnevenNet(), sharding_strategy="auto", unit_modules=[Block],
+                            auto_strategy=AutoStrategy(budget_bytes=budgets[rank], optimizer="adamw", micro_batches=K))
+        return model.sharding_strategy.name, records
+    except NoPlanFitsError as error:
+        return f"error: {error}", records
+    finally:
+        logger.removeHandler(handler)
+
+
+def _uneven_plan(budget=None):
+    with torch.device("meta"):
+        model = UnevenNet()
+    return plan(model, world_size=2, unit_modules=[Block], optimizer="adamw", micro_batches=K, device="cpu",
+                budget_bytes=budget)
+
+
+def test_auto_takes_the_fewest_bytes_that_fit_the_smallest_ranks_budget():
+    planned = _uneven_plan()
+    peaks = {c.strategy: c.peak_bytes for c in planned.candidates}
+    # only ZeRO-3 fits rank 1's budget; rank 0 alone would have room for everything
+    tight = peaks["optim_grads_params"] + 1
+    assert all(peak > tight for name, peak in peaks.items() if name != "optim_grads_params")
+    results = run_distributed(_auto_worker, 2, [10 ** 9, tight])
+    assert [name for name, _ in results] == ["optim_grads_params"] * 2
+    assert "chose optim_grads_params" in results[0][1][0] and "runner-up: none fits" in results[0][1][0]
+    assert results[1][1] == []          # logged once, by rank 0
+    # with room for all: the fewest bytes sent (ZeRO-1 sends what DDP does; its peak is smaller)
+    roomy = run_distributed(_auto_worker, 2, [10 ** 9, 10 ** 9])
+    chosen = _uneven_plan(10 ** 9)
+    assert [name for name, _ in roomy] == [chosen.chosen.strategy] * 2 == ["optim"] * 2
+    assert f"runner-up: {chosen.runner_up.name}" in roomy[0][1][0]
+
+
+def test_auto_with_no_fit_raises_on_every_rank_naming_the_smallest_plan():
+    smallest = min(_uneven_plan().candidates, key=lambda c: c.peak_bytes)
+    results = run_distributed(_auto_worker, 2, [1000, 1000])
+    for message, _ in results:
+        assert message.startswith("error: budget_bytes: no sharding plan fits 1000 B")
+        assert f"the smallest is {smallest.name} at" in message and f"({smallest.peak_bytes} bytes" in message
+
+
+def test_plan_chooses_with_a_budget_and_its_table_has_every_strategy():
+    planned = _uneven_plan(10 ** 9)
+    table = str(planned)
+    assert [line.split()[0] for line in table.splitlines()[2:6]] == list(STRATEGY_NAMES)
+    assert "budget 953.67 MiB: chosen optim, runner-up no_shard" in table
+    with pytest.raises(NoPlanFitsError, match="the smallest is optim_grads_params"):
+        _uneven_plan(1000)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"world_size": 0}, "world_size must be a positive int, got 0"),
+    ({"world_size": 4, "hybrid_shape": (2, 3)}, r"hybrid_shape \(2, 3\) must multiply to world_size=4"),
+    ({"optimizer": "lion"}, "optimizer must be one of .*'adam'.* got 'lion'"),
+    ({"micro_batches": 0}, "micro_batches must be a positive int, got 0"),
+    ({"strategies": "zero3"}, "strategies must be one of"),
+])
+def test_plan_rejects_bad_arguments_naming_them(kwargs, message):
+    with torch.device("meta"):
+        model = UnevenNet()
+    with pytest.raises((ValueError, TypeError), match=message):
+        plan(model, **kwargs)
+
+
+def test_auto_strategy_without_auto_is_refused():
+    from megatron_fsdp_v2 import AutoStrategy
+
+    with pytest.raises(ValueError, match="auto_strategy is used with sharding_strategy='auto' only, got "
+                                         "sharding_strategy='optim'"):
+        fully_shard(UnevenNet(), sharding_strategy="optim", auto_strategy=AutoStrategy(budget_bytes=1))
+    with pytest.raises(ValueError, match="AutoStrategy.optimizer must be one of"):
+        AutoStrategy(optimizer="lamb")

@@ -24,6 +24,9 @@ from ..strategy import STRATEGY_NAMES
 from .memory import OPTIMIZER_STATE_COPIES
 from .planner import plan
 
+#: Builds the Megatron GPT of the Megatron-LM flags (the adapter's package; needs megatron-core).
+MEGATRON_GPT = "megatron_fsdp_v2.megatron.plan_model:megatron_gpt_on_meta"
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -81,8 +84,8 @@ def _megatron_model(args):
     if missing:
         raise SystemExit("give --model module:callable, or a Megatron GPT's flags; missing: "
                          + ", ".join("--" + f.replace("_", "-") for f in missing))
-    from ..megatron.plan_model import megatron_gpt_on_meta
-
+    # loaded by name, as --model is: the core imports no Megatron code unless a Megatron GPT is asked for
+    megatron_gpt_on_meta = _load(MEGATRON_GPT, "the Megatron GPT builder")
     return megatron_gpt_on_meta(
         args.num_layers, args.hidden_size, args.num_attention_heads, args.seq_length, args.vocab_size,
         args.ffn_hidden_size, args.num_query_groups, args.max_position_embeddings,

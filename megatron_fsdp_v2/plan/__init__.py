@@ -3,7 +3,12 @@
 
 Files: groups.py (the groups fully_shard would build, from its own code), memory.py (bytes kept
 per kind), schedule.py (one step's temporaries and collectives), report.py (records, table),
-auto.py (the choice), planner.py (``plan``), __main__.py (``python -m megatron_fsdp_v2.plan``).
+auto.py (the choice), resolve.py (``AutoStrategy``, the budget ranks agree on), planner.py
+(``plan``), __main__.py (``python -m megatron_fsdp_v2.plan``).
+
+``megatron_fsdp_v2.plan`` is the function (the package re-exports it); import names from this
+package with ``from megatron_fsdp_v2.plan import ...`` (``import megatron_fsdp_v2.plan as p`` gives
+the function too).
 """
 
 from .auto import NoPlanFitsError, choose

@@ -11,8 +11,9 @@ Usage (GPUs, torchrun; mock data, ``NullTokenizer``), from the repository root w
         --transformer-impl local --no-persist-layer-norm --no-masked-softmax-fusion --mock-data
 
 Every argument is Megatron-LM's (``megatron.training.arguments``), parsed and validated by
-Megatron. ``--data-parallel-sharding-strategy {no_shard,optim,optim_grads,optim_grads_params}``
-selects *our* strategy (Megatron's parser default is ``optim_grads_params``). Do not pass
+Megatron. ``--data-parallel-sharding-strategy {no_shard,optim,optim_grads,optim_grads_params,auto}``
+selects *our* strategy (Megatron's parser default is ``optim_grads_params``; ``auto``: see
+``parse_args``, with the launcher's ``--activation-reserve-gib G``). Do not pass
 ``--use-megatron-fsdp`` (that selects Megatron's own FSDP and its argument validation forces
 other settings) or ``--use-torch-fsdp2``.
 
@@ -55,7 +56,7 @@ from typing import List, Optional
 
 import torch
 
-from megatron_fsdp_v2 import STRATEGY_NAMES
+from megatron_fsdp_v2 import STRATEGY_NAMES, AutoStrategy
 from megatron_fsdp_v2.megatron import FullyShardedDataParallel, check_optimizer_config, get_optimizer
 
 logger = logging.getLogger(__name__)
@@ -79,8 +80,9 @@ def check_launcher_args(args: argparse.Namespace) -> None:
     applied before Megatron's validation."""
     problems = [text for flag, text in _FORBIDDEN_FLAGS.items() if getattr(args, flag, False)]
     strategy = getattr(args, "data_parallel_sharding_strategy", None)
-    if strategy not in STRATEGY_NAMES:
-        problems.append(f"--data-parallel-sharding-strategy must be one of {list(STRATEGY_NAMES)}, got {strategy!r}")
+    if strategy not in STRATEGY_NAMES + ("auto",):
+        problems.append(f"--data-parallel-sharding-strategy must be one of {list(STRATEGY_NAMES) + ['auto']}, "
+                        f"got {strategy!r}")
     ckpt_format = getattr(args, "ckpt_format", "torch_dist")
     if (getattr(args, "save", None) or getattr(args, "load", None)) and ckpt_format != "torch_dist":
         problems.append(f"--ckpt-format must be torch_dist with --save / --load (sharded, reshardable across "
@@ -108,13 +110,53 @@ def _argv(argv: Optional[List[str]]):
         sys.argv = saved
 
 
+#: What Megatron's parser sees in place of ``auto`` (its ``choices`` lack it); put back after parsing.
+_AUTO_PLACEHOLDER = "optim_grads_params"
+_STRATEGY_FLAG = "--data-parallel-sharding-strategy"
+_RESERVE_FLAG = "--activation-reserve-gib"
+
+
+def take_launcher_flags(argv: List[str]) -> tuple:
+    """``(argv for Megatron, auto?, activation reserve in bytes)``: ``--data-parallel-sharding-strategy
+    auto`` (Megatron's parser has fixed choices, so it sees a placeholder) and the launcher's own
+    ``--activation-reserve-gib G`` (what ``auto`` leaves for activations; default 0), removed."""
+    out, auto, reserve, i = [], False, 0, 0
+    while i < len(argv):
+        token = argv[i]
+        flag, eq, value = token.partition("=")
+        if flag in (_STRATEGY_FLAG, _RESERVE_FLAG) and not eq:
+            value, i = (argv[i + 1] if i + 1 < len(argv) else ""), i + 1
+        if flag == _STRATEGY_FLAG and value == "auto":
+            auto = True
+            out += [_STRATEGY_FLAG, _AUTO_PLACEHOLDER]
+        elif flag == _RESERVE_FLAG:
+            try:
+                reserve = int(float(value) * (1 << 30))
+            except ValueError:
+                raise ValueError(f"examples/pretrain_gpt.py: {_RESERVE_FLAG} must be a number of GiB, got {value!r}.") from None
+            if reserve < 0:
+                raise ValueError(f"examples/pretrain_gpt.py: {_RESERVE_FLAG} must be >= 0, got {value!r}.")
+        else:
+            out += [token] if flag not in (_STRATEGY_FLAG,) or eq else [token, value]
+        i += 1
+    return out, auto, reserve
+
+
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     """Megatron-LM's argument parsing and validation (``argv`` defaults to ``sys.argv[1:]``),
-    plus ``check_launcher_args``. Does not set Megatron's global variables."""
+    plus ``check_launcher_args``. Does not set Megatron's global variables.
+
+    ``--data-parallel-sharding-strategy auto`` lets ``fully_shard`` choose (megatron_fsdp_v2.plan):
+    the fewest bytes sent per step among the strategies whose planned memory fits the GPU minus
+    ``--activation-reserve-gib`` (a launcher flag), for Megatron's optimizer and micro-batches."""
     from megatron.training import arguments
 
-    with _argv(argv):
+    megatron_argv, auto, reserve = take_launcher_flags(list(sys.argv[1:] if argv is None else argv))
+    with _argv(megatron_argv):
         args = arguments.parse_args()
+    if auto:
+        args.data_parallel_sharding_strategy = "auto"
+    args.activation_reserve_bytes = reserve
     check_launcher_args(args)
     if getattr(args, "gradient_accumulation_fusion", False):
         logger.info("megatron_fsdp_v2: setting gradient_accumulation_fusion=False (needs param.main_grad)")
@@ -130,10 +172,23 @@ def data_parallel_class(args: argparse.Namespace) -> type:
     return DATA_PARALLEL_CLASS
 
 
+def auto_strategy_from_args(args: argparse.Namespace) -> AutoStrategy:
+    """What ``auto`` plans for: Megatron's optimizer (``adam`` keeps two states; ``sgd`` one with
+    ``--sgd-momentum``), its micro-batches per step and ``--activation-reserve-gib``."""
+    optimizer = {"adam": "adam", "sgd": "sgd_momentum" if getattr(args, "sgd_momentum", 0) else "sgd"}.get(args.optimizer)
+    if optimizer is None:
+        raise ValueError(f"--data-parallel-sharding-strategy auto plans the adam and sgd optimizers, got --optimizer "
+                         f"{args.optimizer!r}; pick a strategy.")
+    return AutoStrategy(activation_reserve_bytes=getattr(args, "activation_reserve_bytes", 0),
+                        optimizer=optimizer,
+                        micro_batches=max(1, args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)))
+
+
 @contextlib.contextmanager
-def use_fully_sharded_data_parallel():
+def use_fully_sharded_data_parallel(args: Optional[argparse.Namespace] = None):
     """Make ``megatron.training.training`` wrap model chunks with ``FullyShardedDataParallel`` and
-    build optimizers with ``get_optimizer`` (module attributes patched, restored on exit)."""
+    build optimizers with ``get_optimizer`` (module attributes patched, restored on exit).
+    ``args``: the parsed arguments ``auto`` plans from (default: Megatron's global args)."""
     from megatron.training import training
 
     original_wrap = training.wrap_model_chunks_with_ddp
@@ -144,8 +199,12 @@ def use_fully_sharded_data_parallel():
         if DP is not None and DP is not training.DDP and DP is not DATA_PARALLEL_CLASS:
             raise ValueError(f"megatron_fsdp_v2 launcher: get_model asked for {getattr(DP, '__name__', DP)}; "
                              "drop --use-megatron-fsdp / --use-torch-fsdp2.")
-        return original_wrap(model_chunks, config, ddp_config, DP=DATA_PARALLEL_CLASS,
-                             pg_collection=pg_collection, **kwargs)
+        wrapper = DATA_PARALLEL_CLASS
+        if ddp_config.data_parallel_sharding_strategy == "auto":
+            from megatron.training import get_args
+
+            wrapper = functools.partial(DATA_PARALLEL_CLASS, auto_strategy=auto_strategy_from_args(args or get_args()))
+        return original_wrap(model_chunks, config, ddp_config, DP=wrapper, pg_collection=pg_collection, **kwargs)
 
     # --init-model-with-meta-device: get_model would give the meta chunks uninitialized storage
     # (to_empty) unless Megatron-FSDP or FSDP2 wraps them; ours initializes and shards them itself.

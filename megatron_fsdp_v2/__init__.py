@@ -11,13 +11,17 @@ from .safe_reader import SafeFileSystemReader, UnsafeCheckpointError
 from .fully_shard import FullyShardedModule, fully_shard
 from .summon import summon_full_params
 from .mixed_precision import MixedPrecisionPolicy
+from .plan.resolve import AutoStrategy
+from .plan import Plan, plan  # noqa: E402  (the function; the package stays importable as megatron_fsdp_v2.plan)
 from .strategy import STRATEGIES, STRATEGY_NAMES, ShardingStrategy, get_strategy
 
 __all__ = [
+    "AutoStrategy",
     "CheckpointCorruptError",
     "ChecksummedFileSystemWriter",
     "FullyShardedModule",
     "MixedPrecisionPolicy",
+    "Plan",
     "STRATEGIES",
     "STRATEGY_NAMES",
     "SafeFileSystemReader",
@@ -29,6 +33,7 @@ __all__ = [
     "load_checkpoint",
     "load_optimizer_state_dict",
     "optimizer_state_dict",
+    "plan",
     "save_checkpoint",
     "summon_full_params",
 ]

@@ -29,10 +29,11 @@ from .rank_agreement import check_ranks_agree
 from .experts import check_expert_arguments, check_expert_group_inside, expert_names_refusal, expert_param_ids
 from .replicas import split_process_group
 from .row_sharded import mesh_of_group
-from .strategy import ShardingStrategy, get_strategy
+from .plan.resolve import AutoStrategy, resolve_auto_strategy
+from .strategy import STRATEGY_NAMES, ShardingStrategy, get_strategy
 from .meta_init import has_meta_state, initialize_meta_model, replace_meta_parameters
 from .summon import summon_full_params
-from .units import assign_units
+from .units import assign_units, group_specs
 from .wrap_checks import (check_hybrid_groups, check_outer_sharding, check_params, check_process_group,
                           check_same_model_on_all_ranks, group_device, sync_module_states)
 
@@ -289,6 +290,21 @@ def _initialize_from_meta(module: nn.Module, units: list, pending: dict, device:
                 group.wait_refresh()
 
 
+def _auto_strategy(module, options, comm, replicas, expert_comm, outer_sharding_strategy, unit_modules,
+                   mixed_precision, reduce_root_per_child, broadcast_buffers) -> ShardingStrategy:
+    """``sharding_strategy="auto"`` (plan/resolve.py); what the plan does not cover is refused
+    before its one collective, on every rank alike."""
+    nested = [name for name, m in module.named_modules() if isinstance(m, FullyShardedModule)]
+    refused = (["expert parameters (expert_process_group)"] if expert_comm is not None else []) + \
+        ([f"outer_sharding_strategy={outer_sharding_strategy!r} (HFSDP)"] if outer_sharding_strategy != "no_shard" else []) + \
+        ([f"submodules wrapped by earlier fully_shard calls ({nested[:3]})"] if nested else [])
+    if refused:
+        raise ValueError(f"sharding_strategy='auto' plans flat and hybrid (HSDP) sharding of one fully_shard call; "
+                         f"got {', '.join(refused)}: pass one of {list(STRATEGY_NAMES)}.")
+    return resolve_auto_strategy(module, options, comm, replicas, group_device(comm), unit_modules, mixed_precision,
+                                 reduce_root_per_child, broadcast_buffers)
+
+
 def fully_shard(
     module: nn.Module,
     *,
@@ -307,12 +323,15 @@ def fully_shard(
     persistent_grads: bool = False,
     outer_sharding_strategy: str = "no_shard",
     reduce_root_per_child: bool = False,
+    auto_strategy: Optional[AutoStrategy] = None,
 ) -> nn.Module:
     """Shard ``module`` over ``process_group`` with a Megatron sharding strategy; returns it.
 
     Args:
         sharding_strategy: ``"no_shard"`` (DDP), ``"optim"`` (ZeRO-1), ``"optim_grads"`` (ZeRO-2)
-            or ``"optim_grads_params"`` (ZeRO-3).
+            or ``"optim_grads_params"`` (ZeRO-3); ``"auto"``: the one that sends the fewest bytes
+            per step among those whose planned memory (``megatron_fsdp_v2.plan``) fits
+            ``auto_strategy``'s budget, the same on every rank; logged with the runner-up.
         process_group: the data-parallel group (default: the world); or, for hybrid sharding
             (HSDP), an ``(outer, inner)`` pair of groups or a 2-D DeviceMesh ``(replicate, shard)``:
             shards within ``inner``, gradients averaged across ``outer`` once per step
@@ -359,6 +378,9 @@ def fully_shard(
             the next backward allocates them again as late as possible; ``True``: kept between
             steps (Megatron DDP's ``main_grad``) (grad_buffer.py, [Note: gradient buffers live as
             long as .grad]).
+        auto_strategy: with ``sharding_strategy="auto"`` only: the budget, activation reserve,
+            optimizer and micro-batches it plans for (``AutoStrategy()`` by default: the device's
+            whole memory, Adam, one micro-batch). Not for expert parameters, HFSDP or nested calls.
 
     A module built on the meta device (``with torch.device("meta"):``) is materialized on the
     process group's device one initializer at a time, each rank keeping only its shards: see
@@ -372,7 +394,13 @@ def fully_shard(
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}.")
     if isinstance(module, FullyShardedModule):
         raise ValueError(f"module: {type(module).__name__} is already wrapped by fully_shard; wrap a module once.")
-    strategy = get_strategy(sharding_strategy)
+    auto = sharding_strategy == "auto"
+    strategy = None if auto else get_strategy(sharding_strategy)
+    if auto_strategy is not None and not auto:
+        raise ValueError(f"auto_strategy is used with sharding_strategy='auto' only, got sharding_strategy="
+                         f"{sharding_strategy!r}; drop one of them.")
+    if auto and not isinstance(auto_strategy, (AutoStrategy, type(None))):
+        raise TypeError(f"auto_strategy must be an AutoStrategy or None, got {type(auto_strategy).__name__}.")
     if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecisionPolicy):
         raise TypeError(f"mixed_precision must be a MixedPrecisionPolicy or None, got {type(mixed_precision).__name__}.")
     if unused_param_grads not in ("none", "zeros"):
@@ -400,6 +428,10 @@ def fully_shard(
         check_process_group(replicate_group)
         replicas = Communicator(replicate_group)
         check_hybrid_groups(comm, replicas)
+    if auto:
+        strategy = _auto_strategy(module, auto_strategy or AutoStrategy(), comm, replicas, expert_comm,
+                                  outer_sharding_strategy, unit_modules, mixed_precision, reduce_root_per_child,
+                                  broadcast_buffers)
     world = check_outer_sharding(outer_sharding_strategy, strategy, comm, replicas)
     # Units (and their policies) of earlier fully_shard calls on submodules: their parameters are
     # made whole again here, then sharded with the rest.
@@ -460,24 +492,18 @@ def fully_shard(
     for unit_index, spec in enumerate(specs):
         policy = policy_of.get(id(spec.module), mixed_precision)
         full_precision = full_precision_param_ids(spec.module, policy)
-        buckets: "OrderedDict[tuple, list]" = OrderedDict()
-        for first_name, names, param in spec.params:
-            child = first_name.split(".", 1)[0] if reduce_root_per_child and spec.is_root and "." in first_name else ""
-            key = (param.dtype, param.requires_grad, id(param) in full_precision, id(param) in experts, child)
-            buckets.setdefault(key, []).append((first_name, names, param))
         groups = []
-        for (dtype, requires_grad, keep_precision, expert, child), entries in buckets.items():
-            tag = (f"{spec.fqn or '<root>'}{'/' + child if child else ''}/{str(dtype).replace('torch.', '')}/"
-                   f"{'grad' if requires_grad else 'frozen'}"
-                   f"{'/full_precision' if keep_precision else ''}{'/experts' if expert else ''}")
-            group = ParamGroup(tag, [e[2] for e in entries], [e[0] for e in entries], strategy,
+        for gspec in group_specs(spec, full_precision, experts, reduce_root_per_child):
+            entries, expert = gspec.entries, gspec.expert
+            group = ParamGroup(gspec.tag, [e[2] for e in entries], [e[0] for e in entries], strategy,
                                expert_comm if expert else shard_comm,
-                               resolve_dtypes(dtype, policy, requires_grad, keep_precision), alloc, device,
+                               resolve_dtypes(gspec.dtype, policy, gspec.requires_grad, gspec.full_precision),
+                               alloc, device,
                                alignment, expert_mesh if expert else mesh,
                                levels=(comm, replicas) if world is not None else None)
             group.all_names = [e[1] for e in entries]
             group.grads.persistent = persistent_grads
-            group.param_dtype = dtype
+            group.param_dtype = gspec.dtype
             groups.append(group)
             for first_name, _, param in entries:
                 mark_replaced(param, first_name)

@@ -84,3 +84,33 @@ def assign_units(root: nn.Module, unit_modules: Optional[Sequence[type]],
         )
         owner.params.append((names[0], names, param_of[key]))
     return [u for u in units if u.params or u.is_root]
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """One parameter group of a unit: parameters of one (dtype, requires_grad, full precision,
+    expert, root child) share one flat buffer, so one collective moves them all."""
+
+    tag: str
+    dtype: object
+    requires_grad: bool
+    full_precision: bool
+    expert: bool
+    entries: tuple     # ((first_name, [all names], nn.Parameter), ...)
+
+
+def group_specs(spec: UnitSpec, full_precision: set, experts: set, reduce_root_per_child: bool) -> list[GroupSpec]:
+    """Split a unit's parameters into groups, in first-seen order (what ``fully_shard`` builds a
+    ParamGroup from and ``plan`` lays out: one source of truth for both)."""
+    buckets: dict = {}
+    for first_name, names, param in spec.params:
+        child = first_name.split(".", 1)[0] if reduce_root_per_child and spec.is_root and "." in first_name else ""
+        key = (param.dtype, param.requires_grad, id(param) in full_precision, id(param) in experts, child)
+        buckets.setdefault(key, []).append((first_name, names, param))
+    out = []
+    for (dtype, requires_grad, keep_precision, expert, child), entries in buckets.items():
+        tag = (f"{spec.fqn or '<root>'}{'/' + child if child else ''}/{str(dtype).replace('torch.', '')}/"
+               f"{'grad' if requires_grad else 'frozen'}"
+               f"{'/full_precision' if keep_precision else ''}{'/experts' if expert else ''}")
+        out.append(GroupSpec(tag, dtype, requires_grad, keep_precision, expert, tuple(entries)))
+    return out

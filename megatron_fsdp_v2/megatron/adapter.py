@@ -84,6 +84,7 @@ from .dist_checkpoint import (install_model_checkpointing, megatron_layout, mode
                               model_values_from_loaded)
 from ..mixed_precision import MixedPrecisionPolicy
 from .settings import check_ddp_config, main_params_dtype
+from ..plan.resolve import AutoStrategy
 from ..strategy import STRATEGY_NAMES, get_strategy
 
 logger = logging.getLogger(__name__)
@@ -229,6 +230,9 @@ class FullyShardedDataParallel(DistributedDataParallel):
         fsdp_unit_modules: module classes whose instances are units (default ``TransformerLayer``).
         full_param_layout: accepted for signature compatibility; must be ``None``.
         device: optional check that every parameter already lives there (nothing is moved).
+        auto_strategy: with ``data_parallel_sharding_strategy="auto"`` (``--data-parallel-sharding-strategy
+            auto`` through examples/pretrain_gpt.py): the budget, optimizer and micro-batches
+            ``fully_shard(sharding_strategy="auto")`` plans for (default ``AutoStrategy()``).
     """
 
     def __init__(
@@ -241,17 +245,24 @@ class FullyShardedDataParallel(DistributedDataParallel):
         fsdp_unit_modules: Optional[Sequence[type]] = None,
         full_param_layout=None,
         device: Optional[torch.device] = None,
+        auto_strategy: Optional[AutoStrategy] = None,
     ):
         if not isinstance(ddp_config, DistributedDataParallelConfig):
             raise TypeError(f"ddp_config must be a DistributedDataParallelConfig, got {type(ddp_config).__name__}.")
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}.")
         strategy_name = ddp_config.data_parallel_sharding_strategy
-        if strategy_name not in STRATEGY_NAMES:
+        if strategy_name not in STRATEGY_NAMES + ("auto",):
             raise ValueError(
                 f"ddp_config.data_parallel_sharding_strategy (--data-parallel-sharding-strategy) must be one of "
-                f"{list(STRATEGY_NAMES)}, got {strategy_name!r}.")
-        strategy = get_strategy(strategy_name, argument="ddp_config.data_parallel_sharding_strategy")
+                f"{list(STRATEGY_NAMES) + ['auto']}, got {strategy_name!r}.")
+        if auto_strategy is not None and strategy_name != "auto":
+            raise ValueError(f"auto_strategy is used with data_parallel_sharding_strategy='auto' only, got "
+                             f"{strategy_name!r}.")
+        auto = strategy_name == "auto"
+        # auto: planned with the layer units ZeRO-3 uses (disable_bucketing does not merge them then)
+        strategy = get_strategy("optim_grads_params" if auto else strategy_name,
+                                argument="ddp_config.data_parallel_sharding_strategy")
         if full_param_layout is not None:
             raise ValueError("full_param_layout: pre-computed Megatron DDP buffer layouts do not apply to "
                              "FullyShardedDataParallel; pass None.")
@@ -286,7 +297,8 @@ class FullyShardedDataParallel(DistributedDataParallel):
         tied_name = tied_embedding_name(module, unwrapped)
         has_experts = any(is_expert_parameter(n, p) for n, p in module.named_parameters())
         expert_group = expert_data_parallel_group(pg_collection) if has_experts else None
-        fully_shard(module, sharding_strategy=strategy, unit_modules=units,
+        fully_shard(module, sharding_strategy="auto" if auto else strategy, unit_modules=units,
+                    auto_strategy=(auto_strategy or AutoStrategy()) if auto else None,
                     expert_process_group=expert_group, expert_params=is_expert_parameter if has_experts else None,
                     process_group=shard_group if replica_group is None else (replica_group, shard_group),
                     outer_sharding_strategy=getattr(ddp_config, "outer_dp_sharding_strategy", "no_shard"),
@@ -299,7 +311,9 @@ class FullyShardedDataParallel(DistributedDataParallel):
                     persistent_grads=True)
         _BaseDataParallel.__init__(self, config=config, module=module)
 
-        self.ddp_config = dataclasses.replace(ddp_config, use_megatron_fsdp=True)
+        strategy = module.sharding_strategy      # auto: the one fully_shard chose
+        self.ddp_config = dataclasses.replace(ddp_config, use_megatron_fsdp=True,
+                                              data_parallel_sharding_strategy=strategy.name)
         self.strategy = strategy
         self.mixed_precision = policy
         self.unit_modules = units

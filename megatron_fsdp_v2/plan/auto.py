@@ -1,0 +1,36 @@
+"""Choosing a candidate: the fewest bytes sent per step among those whose planned memory fits.
+
+Bytes sent (ring algorithms) rather than bytes covered: an all-reduce sends twice what a
+reduce-scatter of the same buffer does, so DDP and ZeRO-1 tie, as they do on the wire. Ties go to
+the smaller planned peak, then to the order of the strategy table (less sharding first). Every
+input is the same on every rank (the model, checked by ``fully_shard``; the budget, agreed on
+by the caller), so every rank chooses the same.
+"""
+
+from __future__ import annotations
+
+from .report import StrategyPlan, format_bytes
+
+__all__ = ["NoPlanFitsError", "choose"]
+
+
+class NoPlanFitsError(ValueError):
+    """No candidate's planned memory fits the budget."""
+
+
+def choose(candidates: list, budget_bytes: int) -> tuple[StrategyPlan, "StrategyPlan | None"]:
+    """(chosen, runner-up) among ``candidates`` (in table order); raises ``NoPlanFitsError``
+    naming the smallest plan when none fits."""
+    if not isinstance(budget_bytes, int) or isinstance(budget_bytes, bool) or budget_bytes <= 0:
+        raise ValueError(f"budget_bytes must be a positive number of bytes, got {budget_bytes!r}.")
+    fitting = [c for c in candidates if c.peak_bytes <= budget_bytes]
+    if not fitting:
+        smallest = min(candidates, key=lambda c: c.peak_bytes)
+        raise NoPlanFitsError(
+            f"budget_bytes: no sharding plan fits {format_bytes(budget_bytes)} ({budget_bytes} bytes) per rank; "
+            f"the smallest is {smallest.name} at {format_bytes(smallest.peak_bytes)} ({smallest.peak_bytes} bytes: "
+            f"{format_bytes(smallest.persistent_bytes)} kept + {format_bytes(smallest.temporaries['peak'])} "
+            "temporaries). Use more ranks, a smaller model or a larger budget (less activation reserve).")
+    order = {id(c): i for i, c in enumerate(candidates)}
+    ranked = sorted(fitting, key=lambda c: (c.wire_bytes, c.peak_bytes, order[id(c)]))
+    return ranked[0], (ranked[1] if len(ranked) > 1 else None)

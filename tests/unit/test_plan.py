@@ -1,0 +1,203 @@
+"""``plan`` equals what the engine holds and counts: persistent_bytes(), the optimizer's state,
+comm_stats() of one step and each allocator's peak, at dp 1, 2, 4 and HSDP 2x2, every strategy,
+two models (one distributed call per world size runs every combination of it)."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_fsdp_v2 import STRATEGY_NAMES, fully_shard, plan
+from megatron_fsdp_v2.plan import NoPlanFitsError
+from megatron_fsdp_v2.row_sharded import local_piece
+
+from .dist_utils import run_distributed
+from .models import Block, EdgeNet, Tiny, UnevenNet, make_batches, make_token_batches
+
+K = 2
+MODELS = {
+    "uneven": (UnevenNet, [Block], make_batches),
+    "edge": (EdgeNet, [Block, Tiny], make_token_batches),    # tied weights, a frozen layer, a 1-element unit
+}
+SHAPES = {1: [None], 2: [None], 4: [None, (2, 2)]}
+
+
+def _loss(out, target):
+    if out.dim() == 3:       # EdgeNet's logits
+        return torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
+    return ((out - target) ** 2).mean()
+
+
+def _groups(world: int, inner_size: int):
+    rank, inner, outer = dist.get_rank(), None, None
+    for start in range(0, world, inner_size):
+        group = dist.new_group(list(range(start, start + inner_size)))
+        inner = group if start <= rank < start + inner_size else inner
+    for position in range(inner_size):
+        group = dist.new_group(list(range(position, world, inner_size)))
+        outer = group if rank % inner_size == position else outer
+    return outer, inner
+
+
+def _measure(rank, model_name, strategy, shape, allocator, process_group):
+    """Step 2 (the first steady one: forward order known, pool planned) of K micro-batches: what the engine holds and counts."""
+    model_fn, units, batches = MODELS[model_name]
+    torch.manual_seed(0)
+    model = fully_shard(model_fn(), sharding_strategy=strategy, unit_modules=units, allocator=allocator,
+                        process_group=process_group)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    alloc = model._fsdp_engine.allocator
+    for step in range(2):
+        model.reset_comm_stats()
+        alloc.reset_peak()
+        for i, (x, y) in enumerate(batches(step, rank, K)):
+            with model.no_sync() if i < K - 1 else contextlib.nullcontext():
+                _loss(model(x), y).backward()
+        opt.step()
+        if step == 1:
+            state = sum(local_piece(t).numel() * t.element_size() for s in opt.state.values()
+                        for key, t in s.items() if key != "step")
+            out = {"persistent": model.persistent_bytes(), "optimizer_state": state, "comm": model.comm_stats(),
+                   "peak": alloc.peak_live_bytes, "pool": getattr(alloc, "pool_bytes", None)}
+        opt.zero_grad()
+    return out
+
+
+def _worker(rank, world_size):
+    results = {}
+    for shape in SHAPES[world_size]:
+        group = None if shape is None else _groups(world_size, shape[1])
+        for model_name in MODELS:
+            for strategy in STRATEGY_NAMES:
+                for allocator in ("storage_freeing", "trace_pool"):
+                    results[(model_name, strategy, shape, allocator)] = _measure(
+                        rank, model_name, strategy, shape, allocator, group)
+    return results
+
+
+@functools.lru_cache(maxsize=None)
+def _measured(world_size: int):
+    return run_distributed(_worker, world_size)
+
+
+CASES = [(w, shape, m, s) for w in SHAPES for shape in SHAPES[w] for m in MODELS for s in STRATEGY_NAMES]
+
+
+def _planned(world_size, shape, model_name, strategy):
+    model_fn, units, _ = MODELS[model_name]
+    with torch.device("meta"):
+        model = model_fn()
+    return plan(model, strategy, world_size=world_size, hybrid_shape=shape, unit_modules=units,
+                optimizer="adamw", micro_batches=K, device="cpu")[strategy]
+
+
+@pytest.mark.parametrize("world_size,shape,model_name,strategy", CASES,
+                         ids=[f"dp{w}-{'x'.join(map(str, sh)) if sh else 'flat'}-{m}-{s}" for w, sh, m, s in CASES])
+def test_plan_equals_what_the_engine_holds_and_counts(world_size, shape, model_name, strategy):
+    planned = _planned(world_size, shape, model_name, strategy)
+    per_rank = _measured(world_size)
+    for rank, results in enumerate(per_rank):
+        inner_rank = rank % (shape[1] if shape else world_size)
+        want = planned.ranks[inner_rank]
+        for allocator in ("storage_freeing", "trace_pool"):
+            got = results[(model_name, strategy, shape, allocator)]
+            assert {k: got["persistent"][k] for k in ("model_weights", "main_weights", "grads")} == \
+                   {k: want[k] for k in ("model_weights", "main_weights", "grads")}, (rank, allocator)
+            assert got["optimizer_state"] == want["optimizer_state"], (rank, allocator)
+            assert got["comm"] == planned.comm, (rank, allocator)
+        assert results[(model_name, strategy, shape, "storage_freeing")]["peak"] == \
+               planned.temporaries["storage_freeing"], rank
+        assert results[(model_name, strategy, shape, "trace_pool")]["pool"] == planned.temporaries["trace_pool"], rank
+
+
+# -- sharding_strategy="auto" ------------------------------------------------------------------
+
+def _auto_worker(rank, world_size, budgets):
+    """fully_shard(sharding_strategy="auto") with a per-rank budget: the strategy, the log, or the error."""
+    import logging
+
+    from megatron_fsdp_v2 import AutoStrategy
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logger = logging.getLogger("megatron_fsdp_v2")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        model = fully_shard(UnevenNet(), sharding_strategy="auto", unit_modules=[Block],
+                            auto_strategy=AutoStrategy(budget_bytes=budgets[rank], optimizer="adamw", micro_batches=K))
+        return model.sharding_strategy.name, records
+    except NoPlanFitsError as error:
+        return f"error: {error}", records
+    finally:
+        logger.removeHandler(handler)
+
+
+def _uneven_plan(budget=None):
+    with torch.device("meta"):
+        model = UnevenNet()
+    return plan(model, world_size=2, unit_modules=[Block], optimizer="adamw", micro_batches=K, device="cpu",
+                budget_bytes=budget)
+
+
+def test_auto_takes_the_fewest_bytes_that_fit_the_smallest_ranks_budget():
+    planned = _uneven_plan()
+    peaks = {c.strategy: c.peak_bytes for c in planned.candidates}
+    # only ZeRO-3 fits rank 1's budget; rank 0 alone would have room for everything
+    tight = peaks["optim_grads_params"] + 1
+    assert all(peak > tight for name, peak in peaks.items() if name != "optim_grads_params")
+    results = run_distributed(_auto_worker, 2, [10 ** 9, tight])
+    assert [name for name, _ in results] == ["optim_grads_params"] * 2
+    assert "chose optim_grads_params" in results[0][1][0] and "runner-up: none fits" in results[0][1][0]
+    assert results[1][1] == []          # logged once, by rank 0
+    # with room for all: the fewest bytes sent (ZeRO-1 sends what DDP does; its peak is smaller)
+    roomy = run_distributed(_auto_worker, 2, [10 ** 9, 10 ** 9])
+    chosen = _uneven_plan(10 ** 9)
+    assert [name for name, _ in roomy] == [chosen.chosen.strategy] * 2 == ["optim"] * 2
+    assert f"runner-up: {chosen.runner_up.name}" in roomy[0][1][0]
+
+
+def test_auto_with_no_fit_raises_on_every_rank_naming_the_smallest_plan():
+    smallest = min(_uneven_plan().candidates, key=lambda c: c.peak_bytes)
+    results = run_distributed(_auto_worker, 2, [1000, 1000])
+    for message, _ in results:
+        assert message.startswith("error: budget_bytes: no sharding plan fits 1000 B")
+        assert f"the smallest is {smallest.name} at" in message and f"({smallest.peak_bytes} bytes" in message
+
+
+def test_plan_chooses_with_a_budget_and_its_table_has_every_strategy():
+    planned = _uneven_plan(10 ** 9)
+    table = str(planned)
+    assert [line.split()[0] for line in table.splitlines()[2:6]] == list(STRATEGY_NAMES)
+    assert "budget 953.67 MiB: chosen optim, runner-up no_shard" in table
+    with pytest.raises(NoPlanFitsError, match="the smallest is optim_grads_params"):
+        _uneven_plan(1000)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"world_size": 0}, "world_size must be a positive int, got 0"),
+    ({"world_size": 4, "hybrid_shape": (2, 3)}, r"hybrid_shape \(2, 3\) must multiply to world_size=4"),
+    ({"optimizer": "lion"}, "optimizer must be one of .*'adam'.* got 'lion'"),
+    ({"micro_batches": 0}, "micro_batches must be a positive int, got 0"),
+    ({"strategies": "zero3"}, "strategies must be one of"),
+])
+def test_plan_rejects_bad_arguments_naming_them(kwargs, message):
+    with torch.device("meta"):
+        model = UnevenNet()
+    with pytest.raises((ValueError, TypeError), match=message):
+        plan(model, **kwargs)
+
+
+def test_auto_strategy_without_auto_is_refused():
+    from megatron_fsdp_v2 import AutoStrategy
+
+    with pytest.raises(ValueError, match="auto_strategy is used with sharding_strategy='auto' only, got "
+                                         "sharding_strategy='optim'"):
+        fully_shard(UnevenNet(), sharding_strategy="optim", auto_strategy=AutoStrategy(budget_bytes=1))
+    with pytest.raises(ValueError, match="AutoStrategy.optimizer must be one of"):
+        AutoStrategy(optimizer="lamb")

@@ -1,0 +1,104 @@
+"""``--data-parallel-sharding-strategy auto`` through examples/pretrain_gpt.py and the adapter,
+and ``python -m megatron_fsdp_v2.plan`` for a Megatron GPT and a torch model."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+if importlib.util.find_spec("megatron.core") is None:
+    pytest.skip("megatron-core is not installed", allow_module_level=True)
+
+from tests.megatron_cpu import run_distributed  # noqa: E402
+
+from .test_megatron_adapter import LAUNCHER_ARGS, MODEL_SEED, SEQ, VOCAB  # noqa: E402
+
+
+def _wrap_auto(world_size, reserve_bytes):
+    """Parse the launcher's flags with ``auto``, wrap a tiny GPT through get_model's call; return
+    (chosen, ddp_config's strategy, what plan chooses for the same budget, planned peaks, flag)."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+    from megatron.training import training
+
+    import torch
+
+    from examples import pretrain_gpt
+    from megatron_fsdp_v2 import plan
+    from megatron_fsdp_v2.megatron.adapter import _mixed_precision
+    from megatron_fsdp_v2.plan.resolve import device_total_memory
+    from tests.megatron_cpu import build_tiny_gpt
+
+    args = pretrain_gpt.parse_args(LAUNCHER_ARGS + ["--data-parallel-sharding-strategy", "auto",
+                                                    "--activation-reserve-gib", repr(reserve_bytes / (1 << 30))])
+    ddp_config = training.get_megatron_ddp_config(args)
+    model, config = build_tiny_gpt(MODEL_SEED, vocab=VOCAB, seq=SEQ)
+    budget = device_total_memory(torch.device("cpu")) - args.activation_reserve_bytes
+    planned = plan(model, world_size=world_size, unit_modules=[TransformerLayer], device="cpu",
+                   mixed_precision=_mixed_precision(config, ddp_config), optimizer="adam",
+                   micro_batches=args.global_batch_size // (args.micro_batch_size * world_size),
+                   broadcast_buffers=False, budget_bytes=budget)
+    with pretrain_gpt.use_fully_sharded_data_parallel(args):
+        (chunk,) = training.wrap_model_chunks_with_ddp([model], config, ddp_config, DP=training.DDP,
+                                                      pg_collection=None, bucket_sizes=[None],
+                                                      disable_bucketing_per_chunk=[False])
+    peaks = {c.strategy: c.peak_bytes for c in planned.candidates}
+    return (chunk.strategy.name, chunk.ddp_config.data_parallel_sharding_strategy, planned.chosen.strategy, peaks,
+            args.data_parallel_sharding_strategy)
+
+
+def _auto_launcher_worker(rank, world_size):
+    import torch
+
+    from megatron_fsdp_v2.plan import NoPlanFitsError
+    from megatron_fsdp_v2.plan.resolve import device_total_memory
+    from tests.megatron_cpu import destroy_megatron_parallel_state, init_megatron_parallel_state, patch_megatron_for_cpu
+
+    with patch_megatron_for_cpu():
+        init_megatron_parallel_state(world_size)
+        try:
+            roomy = _wrap_auto(world_size, 0)
+            smallest = min(roomy[3].values())
+            # reserve all but one byte less than the smallest plan's peak: none fits
+            try:
+                _wrap_auto(world_size, device_total_memory(torch.device("cpu")) - smallest + 1)
+            except NoPlanFitsError as error:
+                return roomy, str(error)
+            return roomy, None
+        finally:
+            destroy_megatron_parallel_state()
+
+
+def test_launcher_auto_chooses_what_plan_chooses():
+    (roomy, tight), _ = run_distributed(_auto_launcher_worker, 2, timeout=300)
+    name, in_config, planned, peaks, flag = roomy
+    assert flag == "auto" and name == in_config == planned == "optim"     # room for all: fewest bytes, smaller peak
+    smallest = min(peaks, key=peaks.get)
+    assert tight is not None and f"the smallest is {smallest} at" in tight and f"({peaks[smallest]} bytes" in tight
+
+
+def test_plan_command_prints_every_strategy_for_a_megatron_gpt(capsys):
+    from megatron_fsdp_v2.plan.__main__ import main
+
+    main(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+          "--vocab-size", "100", "--bf16", "--world-size", "4", "--hybrid", "2x2", "--device", "cpu"])
+    out = capsys.readouterr().out
+    rows = [line.split()[0] + (" " + line.split()[1] if "x" in line.split()[1] else "")
+            for line in out.splitlines()[3:11]]
+    assert rows == ["no_shard", "optim", "optim_grads", "optim_grads_params",
+                    "no_shard 2x2", "optim 2x2", "optim_grads 2x2", "optim_grads_params 2x2"]
+    # vocabulary padded to 128 as Megatron-LM does: 128 x 64 word + 32 x 64 position embeddings
+    assert out.startswith(f"GPTModel: {(128 * 64 + 32 * 64 + 2 * (12 * 64 * 64 + 13 * 64) + 2 * 64) / 1e6:.1f}M")
+
+
+def test_plan_command_for_a_torch_model_by_import_path(capsys):
+    from megatron_fsdp_v2.plan.__main__ import main
+
+    main(["--model", "tests.unit.models:UnevenNet", "--unit-modules", "tests.unit.models:Block",
+          "--world-size", "2", "--device", "cpu", "--budget-gib", "1"])
+    out = capsys.readouterr().out
+    assert [line.split()[0] for line in out.splitlines()[3:7]] == ["no_shard", "optim", "optim_grads",
+                                                                  "optim_grads_params"]
+    assert out.rstrip().endswith("budget 1.00 GiB: chosen optim, runner-up optim_grads")
+    with pytest.raises(SystemExit, match="missing: --num-layers"):
+        main(["--hidden-size", "8"])

@@ -73,7 +73,10 @@ def activation_peak(ctx) -> int | None:
     gradient is dropped as it arrives, so only activations (and one gradient) remain."""
     if not ctx.is_cuda:
         return None
-    model, _ = build_gpt(ctx, torch.bfloat16)
+    from megatron.core.transformer.module import Float16Module
+
+    gpt, config = build_gpt(ctx, torch.bfloat16)
+    model = Float16Module(config, gpt)             # as megatron.training.get_model does with --bf16
     for p in model.parameters():
         p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
     _forward_loss(ctx, model).backward()          # warm-up (lazy kernels and workspaces)

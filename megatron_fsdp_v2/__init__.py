@@ -11,6 +11,7 @@ from .safe_reader import SafeFileSystemReader, UnsafeCheckpointError
 from .fully_shard import FullyShardedModule, fully_shard
 from .summon import summon_full_params
 from .mixed_precision import MixedPrecisionPolicy
+from .offload import OffloadPolicy
 from .strategy import STRATEGIES, STRATEGY_NAMES, ShardingStrategy, get_strategy
 
 __all__ = [
@@ -18,6 +19,7 @@ __all__ = [
     "ChecksummedFileSystemWriter",
     "FullyShardedModule",
     "MixedPrecisionPolicy",
+    "OffloadPolicy",
     "STRATEGIES",
     "STRATEGY_NAMES",
     "SafeFileSystemReader",

@@ -22,6 +22,7 @@ from .comm import Communicator
 from .engine import Engine, Unit
 from .mixed_precision import MixedPrecisionPolicy, full_precision_param_ids, resolve_dtypes
 from .nested import absorb_wrapped_submodules
+from .offload import HostLink, OffloadPolicy, choose_offloaded
 from .optimizer_hook import mark_replaced
 from .param_group import ParamGroup
 from .rank_agreement import check_ranks_agree
@@ -210,12 +211,17 @@ class FullyShardedModule:
                 group_comm.stats.reset()
 
     def persistent_bytes(self) -> dict:
-        """Bytes this rank keeps between steps (weights, main weights, grads; not optimizer state)."""
+        """Device bytes this rank keeps between steps (weights, main weights, grads; not optimizer
+        state) by role and ``"total"``; with offload also the host bytes (``"host_main_weights"``,
+        ``"host_grads"``, ``"host_total"``), which ``"total"`` leaves out."""
         total: dict = {}
         for group in self._fsdp_engine.groups:
             for role, nbytes in group.persistent_bytes().items():
                 total[role] = total.get(role, 0) + nbytes
-        total["total"] = sum(total.values())
+        host = sum(v for k, v in total.items() if k.startswith("host_"))
+        total["total"] = sum(v for k, v in total.items() if not k.startswith("host_"))
+        if any(k.startswith("host_") for k in total):
+            total["host_total"] = host
         return total
 
     # -- full (unsharded) state dict ---------------------------------------------------------
@@ -288,6 +294,18 @@ def _initialize_from_meta(module: nn.Module, units: list, pending: dict, device:
                 group.wait_refresh()
 
 
+def _unit_buckets(spec, policy, reduce_root_per_child: bool, experts: set):
+    """``(policy, {group key: [(first name, names, parameter)]})``: one unit's parameter groups,
+    keyed by dtype, requires_grad, full precision, expert and (reduce_root_per_child) child."""
+    full_precision = full_precision_param_ids(spec.module, policy)
+    buckets: "OrderedDict[tuple, list]" = OrderedDict()
+    for first_name, names, param in spec.params:
+        child = first_name.split(".", 1)[0] if reduce_root_per_child and spec.is_root and "." in first_name else ""
+        key = (param.dtype, param.requires_grad, id(param) in full_precision, id(param) in experts, child)
+        buckets.setdefault(key, []).append((first_name, names, param))
+    return policy, buckets
+
+
 def fully_shard(
     module: nn.Module,
     *,
@@ -306,6 +324,7 @@ def fully_shard(
     persistent_grads: bool = False,
     outer_sharding_strategy: str = "no_shard",
     reduce_root_per_child: bool = False,
+    offload: Optional[OffloadPolicy] = None,
 ) -> nn.Module:
     """Shard ``module`` over ``process_group`` with a Megatron sharding strategy; returns it.
 
@@ -358,6 +377,13 @@ def fully_shard(
             the next backward allocates them again as late as possible; ``True``: kept between
             steps (Megatron DDP's ``main_grad``) (grad_buffer.py, [Note: gradient buffers live as
             long as .grad]).
+        offload: ``OffloadPolicy(fraction=f)``: the main weights (and so the optimizer state) of
+            whole parameter groups holding at least ``f`` of the main-weight bytes, the last in
+            forward order first, live in (pinned) host memory; their reduced gradients are copied
+            there as each reduce lands and they step on the CPU through the same optimizer
+            (their main parameters are host tensors; e.g. ``torch.optim.AdamW(..., fused=True)``
+            runs the fused kernel per device); updated weights return on a side stream, waited
+            for by the next forward's gathers (offload.py, [Note: offload by fraction]).
 
     A module built on the meta device (``with torch.device("meta"):``) is materialized on the
     process group's device one initializer at a time, each rank keeping only its shards: see
@@ -382,6 +408,12 @@ def fully_shard(
         raise TypeError(f"reduce_root_per_child must be True or False, got {reduce_root_per_child!r}.")
     if not isinstance(persistent_grads, bool):
         raise TypeError(f"persistent_grads must be True or False, got {persistent_grads!r}.")
+    if offload is not None and not isinstance(offload, OffloadPolicy):
+        raise TypeError(f"offload must be an OffloadPolicy or None, got {type(offload).__name__}.")
+    if offload is not None and offload.fraction > 0 and process_group is not None and not isinstance(
+            process_group, dist.ProcessGroup):
+        raise ValueError("offload: CPU offload with hybrid sharding (a pair of groups or a 2-D mesh as "
+                         "process_group) is not supported; shard over one group, or pass offload=None.")
     if init_fn is not None and not callable(init_fn):
         raise TypeError(f"init_fn must be a callable taking a module, or None, got {type(init_fn).__name__}.")
     alloc = make_allocator(allocator)
@@ -438,6 +470,7 @@ def fully_shard(
         "persistent_grads": str(persistent_grads),
         "outer_sharding_strategy": outer_sharding_strategy,
         "reduce_root_per_child": str(reduce_root_per_child),
+        "offload": repr(offload),
         "expert parameters": ",".join(n for n, p in module.named_parameters() if id(p) in experts),
     }
     for group_comm in (comm, replicas, expert_comm):
@@ -455,15 +488,14 @@ def fully_shard(
     mesh = mesh_of_group(shard_comm.group, device) if dtensor_params and strategy.optim_sharded else None
     expert_mesh = (mesh_of_group(expert_comm.group, device)
                    if expert_comm is not None and dtensor_params and strategy.optim_sharded else None)
+    plans = [_unit_buckets(spec, policy_of.get(id(spec.module), mixed_precision), reduce_root_per_child, experts)
+             for spec in specs]
+    sizes = [sum(p.numel() for _, _, p in entries) * resolve_dtypes(key[0], policy, key[1], key[2]).main.itemsize
+             for policy, buckets in plans for key, entries in buckets.items()]
+    to_host = choose_offloaded(sizes, offload.fraction) if offload is not None else frozenset()
+    link = HostLink(device, offload) if to_host else None
     units: list[Unit] = []
-    for unit_index, spec in enumerate(specs):
-        policy = policy_of.get(id(spec.module), mixed_precision)
-        full_precision = full_precision_param_ids(spec.module, policy)
-        buckets: "OrderedDict[tuple, list]" = OrderedDict()
-        for first_name, names, param in spec.params:
-            child = first_name.split(".", 1)[0] if reduce_root_per_child and spec.is_root and "." in first_name else ""
-            key = (param.dtype, param.requires_grad, id(param) in full_precision, id(param) in experts, child)
-            buckets.setdefault(key, []).append((first_name, names, param))
+    for unit_index, (spec, (policy, buckets)) in enumerate(zip(specs, plans)):
         groups = []
         for (dtype, requires_grad, keep_precision, expert, child), entries in buckets.items():
             tag = (f"{spec.fqn or '<root>'}{'/' + child if child else ''}/{str(dtype).replace('torch.', '')}/"
@@ -473,7 +505,8 @@ def fully_shard(
                                expert_comm if expert else shard_comm,
                                resolve_dtypes(dtype, policy, requires_grad, keep_precision), alloc, device,
                                alignment, expert_mesh if expert else mesh,
-                               levels=(comm, replicas) if world is not None else None)
+                               levels=(comm, replicas) if world is not None else None,
+                               offload=link if sum(len(u.groups) for u in units) + len(groups) in to_host else None)
             group.all_names = [e[1] for e in entries]
             group.grads.persistent = persistent_grads
             group.param_dtype = dtype

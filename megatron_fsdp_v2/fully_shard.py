@@ -224,6 +224,26 @@ class FullyShardedModule:
             total["host_total"] = host
         return total
 
+    def set_offload(self, offload: OffloadPolicy) -> None:
+        """Offload as ``fully_shard(..., offload=offload)`` would have, after wrapping: for a caller
+        that learns the policy later (Megatron's ``get_optimizer``). Call it before building the
+        optimizer: the main parameters stay the same objects (their ``.data`` moves to the host)."""
+        engine = self._fsdp_engine
+        if not isinstance(offload, OffloadPolicy):
+            raise TypeError(f"offload must be an OffloadPolicy, got {type(offload).__name__}.")
+        if any(g.offloaded is not None for g in engine.groups):
+            raise ValueError("offload: this model already offloads groups; set the policy once.")
+        if engine.replicas is not None and offload.fraction > 0:
+            raise ValueError("offload: CPU offload with hybrid sharding is not supported.")
+        if offload.fraction > 0 and any(g.mesh is not None for g in engine.groups):
+            raise ValueError("offload: set_offload needs plain-tensor main parameters (dtensor_params=False); "
+                             "with DTensor parameters pass offload= to fully_shard instead.")
+        sizes = [g.main_shard.numel() * g.main_shard.element_size() for g in engine.groups]
+        chosen = choose_offloaded(sizes, offload.fraction)
+        link = HostLink(engine.groups[0].device, offload) if chosen else None
+        for index in sorted(chosen):
+            engine.groups[index].offload_main(link)
+
     # -- full (unsharded) state dict ---------------------------------------------------------
     def full_state_dict(self) -> "OrderedDict[str, torch.Tensor]":
         """{original name: full tensor} of every parameter (main-weight precision) and buffer,

@@ -55,7 +55,7 @@ from megatron.core.optimizer import (
 )
 from megatron.core.optimizer.optimizer_config import ParamWithNamePredicate
 
-from .adapter import ORIGINAL_SHAPE_ATTR, FullyShardedDataParallel
+from .adapter import ORIGINAL_SHAPE_ATTR, FullyShardedDataParallel, offload_policy
 from .dist_checkpoint import install_optimizer_checkpointing
 from .model_parallel import is_expert_parameter
 
@@ -121,6 +121,24 @@ def _leaf_optimizers(optimizer) -> List:
     return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
 
 
+def _step_on_each_device(optimizer, config: OptimizerConfig) -> None:
+    """With offload some main parameters are host tensors: each leaf's inner Adam becomes torch's
+    fused Adam/AdamW over the same param groups (the same dicts, so Megatron's scheduler and
+    checkpoints see them), which runs the fused kernel on each device, CPU included. Megatron's
+    own choice (Transformer Engine's or Apex's FusedAdam) steps device tensors only. Built
+    before any step: there is no state to carry over."""
+    adam = torch.optim.AdamW if config.decoupled_weight_decay else torch.optim.Adam
+    for leaf in _leaf_optimizers(optimizer):
+        inner = leaf.optimizer
+        if inner is None or not inner.param_groups:
+            continue
+        if any(inner.state.values()):
+            raise RuntimeError("get_optimizer: the inner optimizer already holds state; offload replaces it before "
+                               "the first step only.")
+        leaf.optimizer = adam(inner.param_groups, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
+                              eps=config.adam_eps, weight_decay=config.weight_decay, fused=True)
+
+
 def _check_optimizer_config(config: OptimizerConfig) -> None:
     problems = []
     if config.optimizer not in ("adam", "sgd"):
@@ -128,10 +146,8 @@ def _check_optimizer_config(config: OptimizerConfig) -> None:
                         "parameter shards (layer-wise optimizers need whole matrices)")
     if config.optimizer == "sgd" and config.fp16:
         problems.append("optimizer='sgd' with fp16: loss scaling needs optimizer='adam'")
-    if getattr(config, "use_precision_aware_optimizer", False):
+    if getattr(config, "use_precision_aware_optimizer", False) and not getattr(config, "optimizer_cpu_offload", False):
         problems.append("use_precision_aware_optimizer=True (--use-precision-aware-optimizer)")
-    if getattr(config, "optimizer_cpu_offload", False):
-        problems.append("optimizer_cpu_offload=True (--optimizer-cpu-offload)")
     if getattr(config, "overlap_param_gather_with_optimizer_step", False):
         problems.append("overlap_param_gather_with_optimizer_step=True "
                         "(--overlap-param-gather-with-optimizer-step)")
@@ -166,6 +182,11 @@ def get_optimizer(
     if len(strategies) != 1:
         raise ValueError(f"model_chunks: all chunks must use one sharding strategy, got {sorted(strategies)}.")
 
+    offload = offload_policy(config)       # --optimizer-cpu-offload: our offload, not HybridDeviceOptimizer
+    if offload is not None:
+        for chunk in chunks:
+            chunk.module.set_offload(offload)
+        config = dataclasses.replace(config, optimizer_cpu_offload=False, use_precision_aware_optimizer=False)
     if config_overrides is None:
         config_overrides = get_standard_config_overrides(config)
     config_overrides = with_original_shapes(config_overrides)
@@ -178,6 +199,8 @@ def get_optimizer(
                                        use_gloo_process_groups=use_gloo_process_groups,
                                        pg_collection=pg_collection,
                                        dump_param_to_param_group_map=dump_param_to_param_group_map)
+    if offload is not None and config.optimizer == "adam":
+        _step_on_each_device(optimizer, config)
     if chunks[0].strategy.optim_sharded:
         # Disjoint shards: the squared norms add up over the data-parallel (with context-parallel)
         # group and the model-parallel group, i.e. over Megatron's distributed-optimizer instance

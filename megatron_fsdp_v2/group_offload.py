@@ -8,6 +8,7 @@ from typing import Optional
 
 import torch
 
+from .grad_buffer import GradBuffer
 from .offload import HostLink, OffloadedGroup
 
 __all__ = ["GroupOffload"]
@@ -30,6 +31,11 @@ class GroupOffload:
         self.offloaded = OffloadedGroup(link, grad_numel if self.requires_grad else 0, self.dtypes.grad,
                                         self.layout.shard_numel if self.strategy.weights_sharded else 0,
                                         self.dtypes.compute)
+        if self.strategy.grads_sharded and hasattr(self, "grads"):
+            # reduced gradients live on the host from now on: no device shard (one made at
+            # construction, before a later set_offload, is dropped)
+            persistent, self.grads = self.grads.persistent, GradBuffer(self.grads.numel, self.grads.dtype, self.device)
+            self.grads.persistent = persistent
         if getattr(self, "compute_weights_are_main_weights", False):
             # DDP without a cast: the device buffer the module's parameters view stays, as the
             # compute weights; the main weights are the host copy from now on

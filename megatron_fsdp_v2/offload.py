@@ -153,7 +153,11 @@ class OffloadedGroup:
     # -- gradients -----------------------------------------------------------------------------
     def land_grads(self, reduced: torch.Tensor, scale: float, overwrite: bool) -> None:
         """Take a reduce's result (device, any dtype): ``grad = reduced * scale`` if ``overwrite``
-        or nothing landed since ``zero``, else ``grad += reduced * scale`` (on the host, later)."""
+        or nothing landed since ``zero``, else ``grad += reduced * scale`` (on the host, later).
+
+        ``overwrite`` is for a persistent source (DDP / ZeRO-1's full-size buffer, which the next
+        backward writes again): the compute stream waits for its copy before going on. A
+        temporary source (ZeRO-2/3's reduce output) is only kept alive until its copy ran."""
         self.flush()
         if overwrite or self.grad_fresh:
             def scaled():
@@ -161,6 +165,8 @@ class OffloadedGroup:
                 return out.mul_(scale) if scale != 1.0 else out
             event = self.link.copy(self.grad, scaled)
             self._pending.append((event, None))
+            if overwrite:
+                self.link.device_waits(event)
         else:
             if self._staging is None:
                 self._staging = self.link.host_empty(self.grad.numel(), self.grad.dtype)

@@ -31,6 +31,13 @@ are pieces:
    (``--ckpt-format torch_dist``), resharding across dp sizes and strategies; Megatron's own
    version only knows Megatron-FSDP's DTensors on this path.
 
+5. **CPU offload.** ``optimizer_cpu_offload`` (``--optimizer-cpu-offload``) with
+   ``optimizer_offload_fraction`` and ``overlap_cpu_optimizer_d2h_h2d``: ``adapter.offload_policy``
+   maps them to an ``OffloadPolicy``, the chunks offload that fraction of their groups
+   (``set_offload``; offload.py, [Note: offload by fraction]) and each leaf's inner Adam becomes
+   torch's fused Adam/AdamW, which steps host and device tensors alike, instead of Megatron's
+   ``HybridDeviceOptimizer``.
+
 Calling ``get_megatron_optimizer`` directly also works for ``adam`` with
 ``use_distributed_optimizer=True`` (what ``--use-megatron-fsdp`` forces): Megatron then picks the
 same groups as item 3; item 1 needs ``config_overrides=with_original_shapes(...)`` and item 4

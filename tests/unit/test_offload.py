@@ -58,7 +58,7 @@ def parity_worker(rank, world_size):
         for fraction in FRACTIONS:
             model = _wrap(strategy, fraction)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
-            _train(model, opt, rank, steps=3)
+            _train(model, opt, rank, steps=2)
             state = {n: s["exp_avg_sq"].full_tensor() if hasattr(s["exp_avg_sq"], "full_tensor") else s["exp_avg_sq"]
                      for n, s in ((n, opt.state[p]) for n, p in model.named_parameters())}
             out[(strategy, fraction)] = (model.full_state_dict(), state, _placement(model))

@@ -32,11 +32,11 @@ def _wrap(strategy, fraction, dtensor_params=True):
                        dtensor_params=dtensor_params)
 
 
-def _train(model, opt, rank, steps, k=2, first_step=0):
+def _train(model, opt, rank, steps, k=2, first_step=0, dtype=torch.float32):
     for step in range(first_step, first_step + steps):
         for i, (x, y) in enumerate(make_batches(step, rank, k)):
             with (model.no_sync() if i < k - 1 else contextlib.nullcontext()):
-                loss_fn(model(x), y).backward()
+                loss_fn(model(x.to(dtype)).float(), y).backward()
         model.clip_grad_norm_(1.0)
         opt.step()
         opt.zero_grad()
@@ -159,3 +159,28 @@ def test_checkpoints_reshard_into_and_out_of_offload(tmp_path):
         for (strategy, save_f, load_f), (equal, offloaded) in result.items():
             assert equal, (strategy, save_f, load_f)
             assert (offloaded > 0) == (load_f > 0)
+
+
+def mixed_precision_worker(rank, world_size):
+    """bf16 compute weights (the upload casts on the device) and bf16 gradient reduces (the host
+    gradient takes them in fp32), ZeRO-3 and ZeRO-1, with and without offload."""
+    from megatron_fsdp_v2 import MixedPrecisionPolicy
+
+    out = {}
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, grad_comm_dtype=torch.bfloat16)
+    for strategy in ("optim_grads_params", "optim"):
+        for fraction in (0.0, 1.0):
+            torch.manual_seed(0)
+            model = fully_shard(UnevenNet(), sharding_strategy=strategy, unit_modules=[Block], mixed_precision=policy,
+                                offload=OffloadPolicy(fraction=fraction))
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            _train(model, opt, rank, steps=2, dtype=torch.bfloat16)
+            out[(strategy, fraction)] = model.full_state_dict()
+    return out
+
+
+def test_offload_with_bf16_compute_and_reduce_is_bitwise_identical():
+    for result in run_distributed(mixed_precision_worker, 2):
+        for strategy in ("optim_grads_params", "optim"):
+            want, got = result[(strategy, 0.0)], result[(strategy, 1.0)]
+            assert all(torch.equal(got[n], want[n]) for n in want), strategy

@@ -123,18 +123,46 @@ def _adamw_step(ctx: Ctx, model: torch.nn.Module, keep: list,
                  accounted_state_bytes=lambda: accounted(opt), **measures)
 
 
+def offload_systems(fractions) -> List[MetaSystem]:
+    """``--offload-fractions``: ours ZeRO-3 with ``OffloadPolicy(fraction=f)`` per f (f=0 is ``ours``)."""
+    return [MetaSystem(f"ours-offload{f:g}", "ours_meta", strategy="optim_grads_params", offload=f,
+                       label=f"megatron_fsdp_v2 ZeRO-3 as ours, offload=OffloadPolicy(fraction={f:g}, pin_memory=True)")
+            for f in fractions]
+
+
+def check_host_memory(ctx: Ctx, fraction: float) -> None:
+    """Offloaded state lives in host memory (fp32 main 4 + Adam 8 + grads 4 bytes/param per rank of
+    the group, fake or real): refuse a size the host cannot hold as out of memory, instead of
+    letting the kernel's out-of-memory killer end the search."""
+    need = 16.0 * fraction * (ctx.num_params or 0) / ctx.world * (ctx.real_world or 1)
+    try:
+        available = next(int(line.split()[1]) * 1024 for line in open("/proc/meminfo") if line.startswith("MemAvailable"))
+    except (OSError, StopIteration):
+        return
+    if need > 0.9 * available:
+        raise torch.OutOfMemoryError(f"host out of memory (predicted): offloaded state needs {need / GIB:.1f} GiB, "
+                                     f"{available / GIB:.1f} GiB available")
+
+
 def build_ours_meta(ctx: Ctx, system: System) -> Built:
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
-    from megatron_fsdp_v2 import MixedPrecisionPolicy, fully_shard
+    from megatron_fsdp_v2 import MixedPrecisionPolicy, OffloadPolicy, fully_shard
     from megatron_fsdp_v2.megatron.meta_init import megatron_init_fn
 
+    offload = None
+    if system.offload is not None:
+        check_host_memory(ctx, system.offload)
+        offload = OffloadPolicy(fraction=system.offload, pin_memory=True)
     gpt, config = build_gpt(ctx, torch.float32)           # on meta
     model = fully_shard(gpt, sharding_strategy=system.strategy, unit_modules=[TransformerLayer],
                         mixed_precision=MixedPrecisionPolicy(param_dtype=torch.bfloat16),
-                        init_fn=megatron_init_fn(config))
+                        init_fn=megatron_init_fn(config), offload=offload)
     del gpt
-    accounted = lambda opt: model.persistent_bytes()["total"] + torch_optimizer_state_bytes([opt])  # noqa: E731
+    on_device = lambda opt: sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values()  # noqa: E731
+                                if torch.is_tensor(v) and getattr(v, "_local_tensor", v).device.type != "cpu")
+    accounted = lambda opt: model.persistent_bytes()["total"] + (  # noqa: E731
+        on_device(opt) if offload is not None else torch_optimizer_state_bytes([opt]))
     return _adamw_step(ctx, model, [], accounted, persistent_bytes=model.persistent_bytes, comm_stats=model.comm_stats,
                        reset_comm_stats=model.reset_comm_stats)
 
@@ -166,13 +194,14 @@ def build_fsdp2_meta(ctx: Ctx, system: System) -> Built:
 BUILDERS.update(ours_meta=build_ours_meta, fsdp2_meta=build_fsdp2_meta)   # megatron_fsdp: bench_systems'
 
 
-def select(spec: str) -> List[MetaSystem]:
-    names = [s.name for s in SYSTEMS]
+def select(spec: str, offload_fractions=()) -> List[MetaSystem]:
+    everything = list(SYSTEMS) + offload_systems(offload_fractions)
+    names = [s.name for s in everything]
     wanted = names if spec.strip() in ("", "all") else [t.strip() for t in spec.split(",") if t.strip()]
     unknown = [t for t in wanted if t not in names]
     if unknown:
         raise SystemExit(f"--systems: unknown {unknown}; choose from all, {', '.join(names)}")
-    return [s for s in SYSTEMS if s.name in wanted]
+    return [s for s in everything if s.name in wanted]
 
 
 # =============================================================================================
@@ -551,7 +580,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--no-recompute", dest="recompute", action="store_false",
                    help="no activation recompute (default: full recompute, uniform, 1 layer per unit)")
     g = p.add_argument_group("search")
-    g.add_argument("--systems", default="all", help="'all' (default) or a comma list of: ours, fsdp2, megatron_fsdp")
+    g.add_argument("--systems", default="all", help="'all' (default) or a comma list of: ours, fsdp2, megatron_fsdp, "
+                   "ours-offload<f> (one per --offload-fractions value)")
+    g.add_argument("--offload-fractions", default="", help="comma list of fractions f: adds ours-offload<f>, ours "
+                   "ZeRO-3 with OffloadPolicy(fraction=f) (host memory checked before each run; default none)")
     g.add_argument("--layers-probe", default="2,4", help="layer counts trained first, ascending; the fit uses the "
                    "two largest that trained (default 2,4)")
     g.add_argument("--max-attempts", type=int, default=8, help="runs per system after the probes (default 8)")
@@ -692,7 +724,7 @@ def main(argv=None) -> int:
     if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
         return launch_workers(args)
     quiet_libraries(args.verbose)
-    systems = select(args.systems)
+    systems = select(args.systems, tuple(float(t) for t in args.offload_fractions.split(",") if t.strip()))
     ctx = init_distributed(args)
     with contextlib.ExitStack() as stack:
         prepare_process(ctx, stack)

@@ -37,10 +37,12 @@ class System:
     allocator: Optional[str] = None # ours
     reshard_after_forward: Optional[bool] = None  # fsdp2
     reduce_root_per_child: bool = False             # ours: fully_shard(reduce_root_per_child=True)
+    offload: Optional[float] = None   # ours: OffloadPolicy(fraction); fsdp2: CPUOffloadPolicy (1.0);
+                                      # megatron_ddp: --optimizer-cpu-offload --optimizer-offload-fraction
 
     @property
-    def cuda_only(self) -> bool:
-        return self.kind in ("megatron_ddp", "megatron_fsdp")
+    def cuda_only(self) -> bool:     # (FSDP2's CPUOffloadPolicy pins memory: needs a GPU)
+        return self.kind in ("megatron_ddp", "megatron_fsdp") or (self.kind == "fsdp2" and bool(self.offload))
 
     @property
     def description(self) -> str:
@@ -48,7 +50,13 @@ class System:
             return "unwrapped fp32 model, autocast(bf16), fused AdamW"
         if self.kind == "ours":
             split = ", reduce_root_per_child=True" if self.reduce_root_per_child else ""
-            return f"fully_shard({self.strategy}, allocator={self.allocator}{split}) = {ZERO_NAME[self.strategy]}"
+            off = f", offload=OffloadPolicy(fraction={self.offload:g})" if self.offload is not None else ""
+            return f"fully_shard({self.strategy}, allocator={self.allocator}{split}{off}) = {ZERO_NAME[self.strategy]}"
+        if self.kind == "fsdp2" and self.offload:
+            return "torch FSDP2 fully_shard, offload_policy=CPUOffloadPolicy(pin_memory=True) (ZeRO-3, step on CPU)"
+        if self.kind == "megatron_ddp" and self.offload is not None:
+            return (f"Megatron DDP + distributed optimizer, --optimizer-cpu-offload --optimizer-offload-fraction "
+                    f"{self.offload:g} --overlap-cpu-optimizer-d2h-h2d (HybridDeviceOptimizer)")
         if self.kind == "fsdp2":
             return (f"torch FSDP2 fully_shard, reshard_after_forward={self.reshard_after_forward} "
                     f"({'ZeRO-3' if self.reshard_after_forward else 'ZeRO-3, no reshard after fwd'})")
@@ -57,7 +65,18 @@ class System:
         return f"Megatron-FSDP v1, {self.strategy} = {ZERO_NAME[self.strategy]}"
 
 
-def all_systems() -> List[System]:
+def offload_systems(fractions=(1.0,)) -> List[System]:
+    """CPU offload, side by side (``--systems offload``): ours ZeRO-3 at each fraction, FSDP2 with
+    ``CPUOffloadPolicy`` and Megatron DDP with ``--optimizer-cpu-offload`` (fraction 1)."""
+    out = [System(f"ours-offload{f:g}", "ours", strategy="optim_grads_params", allocator="storage_freeing", offload=f)
+           for f in fractions]
+    out.append(System("fsdp2-cpu_offload", "fsdp2", reshard_after_forward=True, offload=1.0))
+    out.append(System("megatron_ddp-cpu_offload", "megatron_ddp", strategy="optim", offload=1.0))
+    return out
+
+
+def all_systems(offload_fractions=()) -> List[System]:
+    """Every system; the offload ones only for ``offload_fractions`` (bench_gpt ``--offload-fractions``)."""
     systems = [System("floor", "floor")]
     for s in STRATEGIES:
         for a in ALLOCATORS:
@@ -69,21 +88,24 @@ def all_systems() -> List[System]:
     systems.append(System("megatron_ddp", "megatron_ddp", strategy="optim"))
     for s in ("optim", "optim_grads", "optim_grads_params"):
         systems.append(System(f"megatron_fsdp-{s}", "megatron_fsdp", strategy=s))
-    return systems
+    return systems + (offload_systems(offload_fractions) if offload_fractions else [])
 
 
-def select_systems(spec: str) -> List[System]:
+def select_systems(spec: str, offload_fractions=()) -> List[System]:
     """``all``, or a comma list of names, kinds/prefixes (``ours``, ``ours-optim``, ``fsdp2``,
     ``megatron``, ``megatron_fsdp``) and ``ours-<strategy>-<sf|tp>`` names."""
-    everything = all_systems()
+    everything = all_systems(offload_fractions)
+    offloading = [s for s in everything if s.offload is not None]
     if spec.strip() in ("", "all"):
-        return everything
+        return [s for s in everything if s.offload is None]
     chosen: List[System] = []
     for token in (t.strip() for t in spec.split(",")):
         if not token:
             continue
         if token == "all":
-            matches = everything
+            matches = [s for s in everything if s.offload is None]
+        elif token == "offload":
+            matches = offloading
         elif token == "megatron":
             matches = [s for s in everything if s.kind in ("megatron_ddp", "megatron_fsdp")]
         else:
@@ -111,6 +133,15 @@ def expected_state(system: System, n: int) -> Dict[str, Any]:
     if system.kind == "floor":
         # fp32 weights are the main weights; zero_grad(set_to_none) frees the grads.
         return dict(formula="4+4+8 (fp32 w+g, Adam)", after_step=16.0, after_zero_grad=12.0)
+    if system.offload is not None:       # device bytes only: what stays on the GPU
+        f = system.offload
+        if system.kind == "fsdp2":
+            return dict(formula="0 (all on CPU)", after_step=0.0, after_zero_grad=0.0)
+        if system.kind == "megatron_ddp":
+            v = 2 + 4 + (1 - f) * 12.0 / n
+            return dict(formula="2+4+(1-f)(4+8)/N", after_step=v, after_zero_grad=v)
+        v = (1 - f) * 16.0 / n + f * 2.0 / n
+        return dict(formula="(1-f)(4+4+8)/N + f*2/N", after_step=v, after_zero_grad=(1 - f) * 12.0 / n + f * 2.0 / n)
     if system.kind == "fsdp2":
         v = 16.0 / n
         return dict(formula="(4+4+8)/N", after_step=v, after_zero_grad=12.0 / n)
@@ -164,6 +195,16 @@ def torch_optimizer_state_bytes(optimizers) -> int:
             for v in state.values():
                 total += _tensor_bytes(v)
     return total
+
+
+def device_bytes(tensors) -> int:
+    """Bytes of the tensors (DTensors: local pieces) that live on an accelerator, not on the host."""
+    return sum(_tensor_bytes(t) for t in tensors
+               if isinstance(t, torch.Tensor) and getattr(t, "_local_tensor", t).device.type != "cpu")
+
+
+def device_optimizer_state_bytes(optimizers) -> int:
+    return device_bytes(v for opt in optimizers for state in opt.state.values() for v in state.values())
 
 
 def params_grads_optimizer_bytes(model: torch.nn.Module, optimizers) -> int:
@@ -277,12 +318,17 @@ def build_ours(ctx: Ctx, system: System) -> Built:
 
     from megatron_fsdp_v2 import MixedPrecisionPolicy, fully_shard
 
+    from megatron_fsdp_v2 import OffloadPolicy
+
     gpt, _ = build_gpt(ctx, torch.float32)
+    offload = OffloadPolicy(fraction=system.offload, pin_memory=True) if system.offload is not None else None
     model = fully_shard(gpt, sharding_strategy=system.strategy, unit_modules=[TransformerLayer],
                         mixed_precision=MixedPrecisionPolicy(param_dtype=torch.bfloat16),
-                        allocator=system.allocator, reduce_root_per_child=system.reduce_root_per_child)
+                        allocator=system.allocator, reduce_root_per_child=system.reduce_root_per_child,
+                        offload=offload)
     del gpt
-    opt = torch.optim.AdamW(model.parameters(), lr=ctx.args.lr, fused=_fused_ok(ctx))
+    # fused: torch's fused AdamW per device, the CPU kernel for offloaded (host) main weights
+    opt = torch.optim.AdamW(model.parameters(), lr=ctx.args.lr, fused=_fused_ok(ctx) or offload is not None)
 
     def fwd_bwd():
         loss = _forward_loss(ctx, model)
@@ -293,12 +339,13 @@ def build_ours(ctx: Ctx, system: System) -> Built:
                  persistent_bytes=model.persistent_bytes, comm_stats=model.comm_stats,
                  reset_comm_stats=model.reset_comm_stats,
                  optimizer_state_bytes=lambda: torch_optimizer_state_bytes([opt]),
-                 accounted_state_bytes=lambda: model.persistent_bytes()["total"] + torch_optimizer_state_bytes([opt]))
+                 accounted_state_bytes=lambda: model.persistent_bytes()["total"] + device_optimizer_state_bytes([opt]))
 
 
 def build_fsdp2(ctx: Ctx, system: System) -> Built:
     from megatron.core.transformer.transformer_layer import TransformerLayer
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
     from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecision
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
@@ -306,11 +353,12 @@ def build_fsdp2(ctx: Ctx, system: System) -> Built:
     mesh = init_device_mesh(ctx.device.type, (ctx.world,))
     mp = TorchMixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     raf = bool(system.reshard_after_forward)
+    off = CPUOffloadPolicy(pin_memory=True) if system.offload else OffloadPolicy()
     for module in model.modules():
         if isinstance(module, TransformerLayer):
-            torch_fully_shard(module, mesh=mesh, mp_policy=mp, reshard_after_forward=raf)
-    torch_fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=raf)
-    opt = torch.optim.AdamW(model.parameters(), lr=ctx.args.lr, fused=_fused_ok(ctx))
+            torch_fully_shard(module, mesh=mesh, mp_policy=mp, reshard_after_forward=raf, offload_policy=off)
+    torch_fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=raf, offload_policy=off)
+    opt = torch.optim.AdamW(model.parameters(), lr=ctx.args.lr, fused=_fused_ok(ctx) or bool(system.offload))
 
     def fwd_bwd():
         loss = _forward_loss(ctx, model)
@@ -322,10 +370,16 @@ def build_fsdp2(ctx: Ctx, system: System) -> Built:
                  accounted_state_bytes=lambda: params_grads_optimizer_bytes(model, [opt]))
 
 
-def _megatron_optimizer(ctx: Ctx, chunk, notes: List[str]):
+def _megatron_optimizer(ctx: Ctx, chunk, notes: List[str], offload: Optional[float] = None):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+    # --optimizer-cpu-offload: Megatron's HybridDeviceOptimizer (its validation demands
+    # --use-precision-aware-optimizer with it)
+    offload_fields = (dict(optimizer_cpu_offload=True, optimizer_offload_fraction=offload,
+                           overlap_cpu_optimizer_d2h_h2d=True, use_precision_aware_optimizer=True)
+                      if offload is not None else {})
     config = OptimizerConfig(
+        **offload_fields,
         optimizer="adam",
         lr=ctx.args.lr,
         weight_decay=0.01,                 # torch AdamW's default, as for the other systems
@@ -336,7 +390,9 @@ def _megatron_optimizer(ctx: Ctx, chunk, notes: List[str]):
     )
     opt = get_megatron_optimizer(config, [chunk], use_gloo_process_groups=False)
     inner = inner_torch_optimizers(opt)
-    if ctx.args.megatron_adam == "fused":
+    if offload is not None:
+        notes.append(f"HybridDeviceOptimizer, offload fraction {offload:g}: {type(opt).__name__}")
+    elif ctx.args.megatron_adam == "fused":
         # Without TE/apex Megatron falls back to torch.optim.AdamW with its default (foreach)
         # kernel; switch the groups to the fused kernel every other system uses.
         switched = 0
@@ -369,13 +425,13 @@ def build_megatron_ddp(ctx: Ctx, system: System) -> Built:
     )
     ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
     notes: List[str] = [f"overlap_grad_reduce=overlap_param_gather={overlap}"]
-    return _built_megatron_wrapper(ctx, ddp, model, gpt, notes)
+    return _built_megatron_wrapper(ctx, ddp, model, gpt, notes, offload=system.offload)
 
 
-def _built_megatron_wrapper(ctx, wrapper, model, gpt, notes: List[str]) -> "Built":
+def _built_megatron_wrapper(ctx, wrapper, model, gpt, notes: List[str], offload: Optional[float] = None) -> "Built":
     """A step of Megatron's loop on a DDP-like wrapper (Megatron DDP or Megatron-FSDP): zero the
     grad buffer and the optimizer, forward + backward, ``finish_grad_sync``, ``optimizer.step``."""
-    opt, inner = _megatron_optimizer(ctx, wrapper, notes)
+    opt, inner = _megatron_optimizer(ctx, wrapper, notes, offload)
 
     def fwd_bwd():
         loss = _forward_loss(ctx, wrapper)

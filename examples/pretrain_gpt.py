@@ -163,6 +163,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     args.gradient_accumulation_fusion = False
     args.mock_data = True
     arguments.validate_args(args, dict(LAUNCHER_DEFAULTS))
+    if getattr(args, "optimizer_cpu_offload", False):
+        # Megatron's validation demands --use-precision-aware-optimizer with --optimizer-cpu-offload;
+        # here it changes nothing (fp32 optimizer dtypes, checked by get_optimizer), and it would set
+        # ddp_config.megatron_fsdp_use_decoupled_grad, which the wrapper refuses.
+        args.use_precision_aware_optimizer = False
     return args
 
 

@@ -466,7 +466,7 @@ class Engine:
             for main in group.main_params:
                 grad = local_piece(main.grad)
                 if grad is not None and grad.numel():
-                    grad.detach().mul_(coef.to(grad.dtype))
+                    grad.detach().mul_(coef.to(grad.device, grad.dtype))   # (offload: host grads)
         return total
 
     def scale_gradients(self, factor: float) -> None:
@@ -494,6 +494,7 @@ class Engine:
         second refresh waits for the first (``ParamGroup._gather_into``), so the forward never
         sees a stale all-gather land last."""
         if self.strategy.weights_sharded and all(g.levels is None for g in self.groups):
+            self._start_uploads()
             return                               # ZeRO-3 gathers at use (HFSDP: its inner shards refresh here)
         dirty, self._dirty_groups = self._dirty_groups, set()
         for group in self.groups:
@@ -504,6 +505,15 @@ class Engine:
         if wait:
             for group in self.groups:
                 group.wait_refresh()
+
+    def _start_uploads(self) -> None:
+        """ZeRO-3 with offload: start copying the stepped host main shards to the device now, so the
+        next forward's gathers find them there (offload.py, [Note: offload by fraction])."""
+        dirty, self._dirty_groups = self._dirty_groups, set()
+        for group in self.groups:
+            offloaded = group.offloaded
+            if offloaded is not None and (id(group) in dirty or offloaded.uploaded_version != group.main_version()):
+                group.start_upload()
 
     # ------------------------------------------------------------------ explicit gradient sync
     def start_gradient_reduction(self) -> None:

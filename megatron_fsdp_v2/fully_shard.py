@@ -22,6 +22,7 @@ from .comm import Communicator
 from .engine import Engine, Unit
 from .mixed_precision import MixedPrecisionPolicy, full_precision_param_ids, resolve_dtypes
 from .nested import absorb_wrapped_submodules
+from .offload import HostLink, OffloadPolicy, choose_offloaded
 from .optimizer_hook import mark_replaced
 from .param_group import ParamGroup
 from .param_swap import ParamSlots
@@ -212,13 +213,38 @@ class FullyShardedModule:
                 group_comm.stats.reset()
 
     def persistent_bytes(self) -> dict:
-        """Bytes this rank keeps between steps (weights, main weights, grads; not optimizer state)."""
+        """Device bytes this rank keeps between steps (weights, main weights, grads; not optimizer
+        state) by role and ``"total"``; with offload also the host bytes (``"host_main_weights"``,
+        ``"host_grads"``, ``"host_total"``), which ``"total"`` leaves out."""
         total: dict = {}
         for group in self._fsdp_engine.groups:
             for role, nbytes in group.persistent_bytes().items():
                 total[role] = total.get(role, 0) + nbytes
-        total["total"] = sum(total.values())
+        host = sum(v for k, v in total.items() if k.startswith("host_"))
+        total["total"] = sum(v for k, v in total.items() if not k.startswith("host_"))
+        if any(k.startswith("host_") for k in total):
+            total["host_total"] = host
         return total
+
+    def set_offload(self, offload: OffloadPolicy) -> None:
+        """Offload as ``fully_shard(..., offload=offload)`` would have, after wrapping: for a caller
+        that learns the policy later (Megatron's ``get_optimizer``). Call it before building the
+        optimizer: the main parameters stay the same objects (their ``.data`` moves to the host)."""
+        engine = self._fsdp_engine
+        if not isinstance(offload, OffloadPolicy):
+            raise TypeError(f"offload must be an OffloadPolicy, got {type(offload).__name__}.")
+        if any(g.offloaded is not None for g in engine.groups):
+            raise ValueError("offload: this model already offloads groups; set the policy once.")
+        if engine.replicas is not None and offload.fraction > 0:
+            raise ValueError("offload: CPU offload with hybrid sharding is not supported.")
+        if offload.fraction > 0 and any(g.mesh is not None for g in engine.groups):
+            raise ValueError("offload: set_offload needs plain-tensor main parameters (dtensor_params=False); "
+                             "with DTensor parameters pass offload= to fully_shard instead.")
+        sizes = [g.main_shard.numel() * g.main_shard.element_size() for g in engine.groups]
+        chosen = choose_offloaded(sizes, offload.fraction)
+        link = HostLink(engine.groups[0].device, offload) if chosen else None
+        for index in sorted(chosen):
+            engine.groups[index].offload_main(link)
 
     # -- full (unsharded) state dict ---------------------------------------------------------
     def full_state_dict(self) -> "OrderedDict[str, torch.Tensor]":
@@ -324,6 +350,7 @@ def fully_shard(
     outer_sharding_strategy: str = "no_shard",
     reduce_root_per_child: bool = False,
     auto_strategy: Optional[AutoStrategy] = None,
+    offload: Optional[OffloadPolicy] = None,
 ) -> nn.Module:
     """Shard ``module`` over ``process_group`` with a Megatron sharding strategy; returns it.
 
@@ -381,6 +408,13 @@ def fully_shard(
         auto_strategy: with ``sharding_strategy="auto"`` only: the budget, activation reserve,
             optimizer and micro-batches it plans for (``AutoStrategy()`` by default: the device's
             whole memory, Adam, one micro-batch). Not for expert parameters, HFSDP or nested calls.
+        offload: ``OffloadPolicy(fraction=f)``: the main weights (and so the optimizer state) of
+            whole parameter groups holding at least ``f`` of the main-weight bytes, the last in
+            forward order first, live in (pinned) host memory; their reduced gradients are copied
+            there as each reduce lands and they step on the CPU through the same optimizer
+            (their main parameters are host tensors; e.g. ``torch.optim.AdamW(..., fused=True)``
+            runs the fused kernel per device); updated weights return on a side stream, waited
+            for by the next forward's gathers (offload.py, [Note: offload by fraction]).
 
     A module built on the meta device (``with torch.device("meta"):``) is materialized on the
     process group's device one initializer at a time, each rank keeping only its shards: see
@@ -411,6 +445,12 @@ def fully_shard(
         raise TypeError(f"reduce_root_per_child must be True or False, got {reduce_root_per_child!r}.")
     if not isinstance(persistent_grads, bool):
         raise TypeError(f"persistent_grads must be True or False, got {persistent_grads!r}.")
+    if offload is not None and not isinstance(offload, OffloadPolicy):
+        raise TypeError(f"offload must be an OffloadPolicy or None, got {type(offload).__name__}.")
+    if offload is not None and offload.fraction > 0 and process_group is not None and not isinstance(
+            process_group, dist.ProcessGroup):
+        raise ValueError("offload: CPU offload with hybrid sharding (a pair of groups or a 2-D mesh as "
+                         "process_group) is not supported; shard over one group, or pass offload=None.")
     if init_fn is not None and not callable(init_fn):
         raise TypeError(f"init_fn must be a callable taking a module, or None, got {type(init_fn).__name__}.")
     alloc = make_allocator(allocator)
@@ -471,6 +511,7 @@ def fully_shard(
         "persistent_grads": str(persistent_grads),
         "outer_sharding_strategy": outer_sharding_strategy,
         "reduce_root_per_child": str(reduce_root_per_child),
+        "offload": repr(offload),
         "expert parameters": ",".join(n for n, p in module.named_parameters() if id(p) in experts),
     }
     for group_comm in (comm, replicas, expert_comm):
@@ -488,19 +529,28 @@ def fully_shard(
     mesh = mesh_of_group(shard_comm.group, device) if dtensor_params and strategy.optim_sharded else None
     expert_mesh = (mesh_of_group(expert_comm.group, device)
                    if expert_comm is not None and dtensor_params and strategy.optim_sharded else None)
-    units: list[Unit] = []
-    for unit_index, spec in enumerate(specs):
+    plans = []                   # per unit: (its policy, its groups' specs), before any buffer exists
+    for spec in specs:
         policy = policy_of.get(id(spec.module), mixed_precision)
-        full_precision = full_precision_param_ids(spec.module, policy)
+        plans.append((policy, group_specs(spec, full_precision_param_ids(spec.module, policy), experts,
+                                          reduce_root_per_child)))
+    sizes = [sum(e[2].numel() for e in g.entries)
+             * resolve_dtypes(g.dtype, policy, g.requires_grad, g.full_precision).main.itemsize
+             for policy, gspecs in plans for g in gspecs]
+    to_host = choose_offloaded(sizes, offload.fraction) if offload is not None else frozenset()
+    link = HostLink(device, offload) if to_host else None
+    units: list[Unit] = []
+    for unit_index, (spec, (policy, gspecs)) in enumerate(zip(specs, plans)):
         groups = []
-        for gspec in group_specs(spec, full_precision, experts, reduce_root_per_child):
+        for gspec in gspecs:
             entries, expert = gspec.entries, gspec.expert
             group = ParamGroup(gspec.tag, [e[2] for e in entries], [e[0] for e in entries], strategy,
                                expert_comm if expert else shard_comm,
                                resolve_dtypes(gspec.dtype, policy, gspec.requires_grad, gspec.full_precision),
                                alloc, device,
                                alignment, expert_mesh if expert else mesh,
-                               levels=(comm, replicas) if world is not None else None)
+                               levels=(comm, replicas) if world is not None else None,
+                               offload=link if sum(len(u.groups) for u in units) + len(groups) in to_host else None)
             group.all_names = [e[1] for e in entries]
             group.grads.persistent = persistent_grads
             group.param_dtype = gspec.dtype

@@ -20,24 +20,31 @@ class GroupExport:
             return 0 if t is None else t.numel() * t.element_size()
         model = 0 if (self.strategy.weights_sharded or self.compute_weights_are_main_weights) else nbytes(self.model_weights)
         model += nbytes(self.inner_weights)
-        return {"main_weights": nbytes(self.main_shard), "model_weights": model,
-                "grads": nbytes(self.full_grad) + nbytes(self.grad_shard)}
+        offloaded = self.offloaded is not None            # its main shard is host memory (offload.py)
+        if offloaded:
+            model += nbytes(self.offloaded.compute_shard)
+        return {"main_weights": 0 if offloaded else nbytes(self.main_shard), "model_weights": model,
+                "grads": nbytes(self.full_grad) + nbytes(self.grad_shard), **self.host_bytes()}
 
     def gather_full_main(self) -> torch.Tensor:
         """The whole main-weight buffer on every rank (one all-gather when sharded)."""
+        main = self.main_shard.detach()
         if not self.strategy.optim_sharded:
-            return self.main_shard.detach().clone()
+            return main.to(self.device, copy=True)
         full = torch.empty(self.layout.total_numel, dtype=self.main_shard.dtype, device=self.device)
-        self.comm.all_gather(full, self.main_shard.detach(), label=f"main weights of {self.name}")
+        self.comm.all_gather(full, main.to(self.device), label=f"main weights of {self.name}")
         return full
 
     def gather_full_grad(self) -> Optional[torch.Tensor]:
         """The whole reduced-gradient buffer on every rank (None for a frozen group)."""
         if not self.requires_grad:
             return None
-        buffer = self._ensure_grads()       # every rank joins the gather, also one whose buffer was freed
-        if self.strategy.optim_sharded and not self.strategy.grads_sharded:
-            buffer = buffer[self.shard_start:self.shard_end]
+        if self.offloaded is not None:      # the host copy, this rank's rows already (offload.py)
+            buffer = self.main_grad_buffer().to(self.device)
+        else:
+            buffer = self._ensure_grads()   # every rank joins the gather, also one whose buffer was freed
+            if self.strategy.optim_sharded and not self.strategy.grads_sharded:
+                buffer = buffer[self.shard_start:self.shard_end]
         if not self.strategy.optim_sharded:
             return buffer.detach().clone()
         full = torch.empty(self.layout.total_numel, dtype=buffer.dtype, device=self.device)

@@ -28,6 +28,7 @@ from .allocators.base import Allocator
 from .comm import Communicator
 from .grad_buffer import GradBuffer
 from .group_export import GroupExport
+from .group_offload import GroupOffload
 from .unreduced_grads import UnreducedGrads
 from .layout import FlatLayout, build_layout
 from .row_sharded import row_sharded
@@ -52,7 +53,7 @@ def _wait(pending: Optional[PendingCollective]) -> None:
     pending.on_complete()
 
 
-class ParamGroup(GroupExport):
+class ParamGroup(GroupExport, GroupOffload):
     """Flat main-weight, model-weight and grad buffers of a list of parameters."""
 
     def __init__(
@@ -68,6 +69,7 @@ class ParamGroup(GroupExport):
         alignment: int = 1,
         mesh=None,
         levels=None,
+        offload=None,
     ) -> None:
         self.name = name
         self.params = list(params)
@@ -122,10 +124,10 @@ class ParamGroup(GroupExport):
         # The gradient buffer (full_grad or grad_shard; grad_buffer.py)
         grads_numel = self.layout.shard_numel if strategy.grads_sharded else self.layout.total_numel
         self.grads = GradBuffer(grads_numel, dtypes.grad, device)
-        self._init_buffers()
+        self._init_buffers(offload)
 
     # ------------------------------------------------------------------ construction
-    def _init_buffers(self) -> None:
+    def _init_buffers(self, offload=None) -> None:
         total = self.layout.total_numel
         dt = self.dtypes
         with torch.no_grad():
@@ -136,6 +138,8 @@ class ParamGroup(GroupExport):
             self.main_shard = initial[self.shard_start:self.shard_end].clone() if self.strategy.optim_sharded else initial
         del initial
         self.compute_weights_are_main_weights = not self.strategy.optim_sharded and dt.compute == dt.main
+        if offload is not None:          # main shard to the host (group_offload.py)
+            self.offload_main(offload)
         if self.strategy.weights_sharded:
             self.model_weights: Optional[torch.Tensor] = None
             for param in self.params:
@@ -158,8 +162,8 @@ class ParamGroup(GroupExport):
         # main_params: the same memory as the optimizer sees it.
         self.main_locals: list[torch.Tensor] = []
         self.main_params = [self._make_main_param(i) for i in range(len(self.params))]
-        if self.requires_grad:
-            self._ensure_grads()
+        if self.requires_grad and not (self.offloaded is not None and self.strategy.grads_sharded):
+            self._ensure_grads()          # (an offloaded ZeRO-2/3 group's reduced gradients live on the host)
 
     # ------------------------------------------------------------------ the gradient buffer
     @property
@@ -248,8 +252,7 @@ class ParamGroup(GroupExport):
             self.wait_refresh()
             self._pending_refresh = self._gather_into(self.model_weights, async_op)
         else:
-            with torch.no_grad():
-                self.model_weights.copy_(self.main_shard)
+            self._refresh_whole_weights()
 
     def _gather_into(self, full: torch.Tensor, async_op: bool) -> PendingCollective:
         """All-gather the main-weight shards into ``full`` in place.
@@ -267,7 +270,7 @@ class ParamGroup(GroupExport):
         size = self.layout.shard_numel
         slot = output[comm.rank * size:(comm.rank + 1) * size]
         with torch.no_grad():
-            slot.copy_(self.main_shard)
+            self._write_own_slot(slot)
         work = comm.all_gather(output, slot, async_op=async_op, label=label)
         return PendingCollective(work if async_op else None, lambda: None)
 
@@ -413,11 +416,13 @@ class ParamGroup(GroupExport):
                         self.full_grad.copy_(full)
                     release_input()
                     self.full_grad.div_(divide_factor)
+                    if self.offloaded is not None:
+                        self.offloaded.land_grads(self.full_grad, 1.0, overwrite=True)
         else:
             # ZeRO-2/3 with no reduced gradients yet (the first backward after zero_grad freed
             # them): reduce straight into a new grad shard instead of a temporary beside it.
             into_shard = (self.strategy.grads_sharded and self.grads.live() is None
-                          and self.dtypes.grad == full.dtype)
+                          and self.dtypes.grad == full.dtype and self.offloaded is None)
             shard_out = (self._ensure_grads() if into_shard
                          else torch.empty(self.layout.shard_numel, dtype=full.dtype, device=self.device))
             work = self.comm.reduce_scatter(shard_out, full, async_op=True, label=f"grads of {self.name}")
@@ -427,6 +432,8 @@ class ParamGroup(GroupExport):
                     release_input()
                     if into_shard:                      # as the add below would give it: x * (1 / f)
                         shard_out.mul_(1.0 / divide_factor)
+                    elif self.offloaded is not None and self.strategy.grads_sharded:
+                        self.offloaded.land_grads(shard_out, 1.0 / divide_factor, overwrite=False)
                     elif self.strategy.grads_sharded:
                         shard = self._ensure_grads()
                         shard.add_(shard_out.to(shard.dtype), alpha=1.0 / divide_factor)
@@ -444,6 +451,8 @@ class ParamGroup(GroupExport):
                             own.copy_(self._stash).add_(shard_out, alpha=1.0 / divide_factor)
                             self._release_stash()
                         self._own_region_holds_mean = True
+                        if self.offloaded is not None:
+                            self.offloaded.land_grads(own, 1.0, overwrite=True)
 
         self.reduced_this_backward = True
         self.has_unreduced_grads = False
@@ -486,8 +495,11 @@ class ParamGroup(GroupExport):
 
     def scale_grads(self, factor: float) -> None:
         """Multiply the gradients this group holds (reduced or accumulating) by ``factor``."""
+        if self.offloaded is not None:
+            self.offloaded.flush()
         with torch.no_grad():
-            for buffer in (self.full_grad, self.grad_shard, self._stash, self._inner_grad):
+            for buffer in (self.full_grad, self.grad_shard, self._stash, self._inner_grad,
+                           self.offloaded.grad if self.offloaded is not None else None):
                 if buffer is not None:
                     buffer.mul_(factor)
 
@@ -527,6 +539,9 @@ class ParamGroup(GroupExport):
         """The buffer laid out like ``main_shard`` that holds the reduced gradients."""
         if not self.requires_grad:
             return None
+        if self.offloaded is not None:           # the host copy (group_offload.py)
+            self.offloaded.flush()
+            return self.offloaded.grad
         if self.strategy.grads_sharded:
             return self.grad_shard
         if self.strategy.optim_sharded:
@@ -546,7 +561,8 @@ class ParamGroup(GroupExport):
         # a buffer freed by zero_grad(set_to_none=True) that no reduce has re-created yet (HFSDP
         # under no_sync: the inner reduces wait for the outer one) comes back zeroed, so every
         # .grad is attached and a later zero_grad detection sees no stale None
-        self._ensure_grads()
+        if self.offloaded is None:
+            self._ensure_grads()
         buffer = self.main_grad_buffer()
         for index, main in enumerate(self.main_params):
             view = self._main_view(buffer, index)
@@ -568,6 +584,8 @@ class ParamGroup(GroupExport):
             for buffer in (self.full_grad, self.grad_shard):
                 if buffer is not None:
                     buffer.zero_()
+        if self.offloaded is not None:
+            self.offloaded.zero()
         self.has_unreduced_grads = False
         self.awaiting_replica_reduce = False
         self._own_region_holds_mean = False

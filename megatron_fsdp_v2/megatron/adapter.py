@@ -85,6 +85,7 @@ from .dist_checkpoint import (install_model_checkpointing, megatron_layout, mode
 from ..mixed_precision import MixedPrecisionPolicy
 from .settings import check_ddp_config, main_params_dtype
 from ..plan.resolve import AutoStrategy
+from ..offload import OffloadPolicy
 from ..strategy import STRATEGY_NAMES, get_strategy
 
 logger = logging.getLogger(__name__)
@@ -182,6 +183,35 @@ def _unsupported_settings(config: TransformerConfig, ddp_config: DistributedData
           "delay_wgrad_compute=True (--delay-wgrad-compute): weight gradients computed later by backward_dw() "
           "would bypass this wrapper's gradient reduction")
     return problems
+
+
+def offload_policy(config) -> Optional[OffloadPolicy]:
+    """Megatron's optimizer offload settings (``OptimizerConfig``: ``optimizer_cpu_offload``,
+    ``optimizer_offload_fraction``, ``overlap_cpu_optimizer_d2h_h2d``, ``pin_cpu_params`` /
+    ``pin_cpu_grads``) as our ``OffloadPolicy``; None without ``optimizer_cpu_offload`` (Megatron
+    reads the others only with it). ``get_optimizer`` applies it (optimizer.py).
+
+    Megatron's argument check demands ``--use-precision-aware-optimizer`` with
+    ``--optimizer-cpu-offload`` (its hybrid optimizer reuses that code path); that flag changes
+    nothing here as long as the optimizer's dtypes stay fp32, so other dtypes are refused."""
+    if not getattr(config, "optimizer_cpu_offload", False):
+        return None
+    fraction = config.optimizer_offload_fraction
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction <= 1:
+        raise ValueError("optimizer_offload_fraction (--optimizer-offload-fraction) must be a number with "
+                         f"0 <= fraction <= 1, got {fraction!r}.")
+    if bool(config.pin_cpu_params) != bool(config.pin_cpu_grads):
+        raise ValueError(f"pin_cpu_params ({config.pin_cpu_params}) and pin_cpu_grads ({config.pin_cpu_grads}) must "
+                         "agree with optimizer_cpu_offload: host main weights and gradients are pinned alike.")
+    if getattr(config, "use_precision_aware_optimizer", False):
+        dtypes = {name: getattr(config, name, torch.float32)
+                  for name in ("main_params_dtype", "main_grads_dtype", "exp_avg_dtype", "exp_avg_sq_dtype")}
+        lower = {name: str(dtype) for name, dtype in dtypes.items() if dtype != torch.float32}
+        if lower:
+            raise ValueError(f"use_precision_aware_optimizer with optimizer_cpu_offload: only fp32 optimizer dtypes "
+                             f"are supported, got {lower}.")
+    return OffloadPolicy(fraction=float(fraction), pin_memory=bool(config.pin_cpu_params),
+                         overlap=bool(config.overlap_cpu_optimizer_d2h_h2d))
 
 
 def _mixed_precision(config: TransformerConfig, ddp_config: DistributedDataParallelConfig) -> MixedPrecisionPolicy:

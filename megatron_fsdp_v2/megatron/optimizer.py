@@ -36,6 +36,13 @@ parameters are pieces):
    (``--ckpt-format torch_dist``), resharding across dp sizes and strategies; Megatron's own
    version only knows Megatron-FSDP's DTensors on this path.
 
+5. **CPU offload.** ``optimizer_cpu_offload`` (``--optimizer-cpu-offload``) with
+   ``optimizer_offload_fraction`` and ``overlap_cpu_optimizer_d2h_h2d``: ``adapter.offload_policy``
+   maps them to an ``OffloadPolicy``, the chunks offload that fraction of their groups
+   (``set_offload``; offload.py, [Note: offload by fraction]) and each leaf's inner Adam becomes
+   torch's fused Adam/AdamW, which steps host and device tensors alike, instead of Megatron's
+   ``HybridDeviceOptimizer``.
+
 Calling ``get_megatron_optimizer`` directly also works for ``adam`` with
 ``use_distributed_optimizer=True`` (what ``--use-megatron-fsdp`` forces): Megatron then picks the
 same groups as item 3; item 1 needs ``config_overrides=with_original_shapes(...)`` and item 5
@@ -62,7 +69,7 @@ from megatron.core.optimizer import (
 from megatron.core.optimizer.optimizer import ChainedOptimizer
 from megatron.core.optimizer.optimizer_config import ParamWithNamePredicate
 
-from .adapter import ORIGINAL_SHAPE_ATTR, FullyShardedDataParallel
+from .adapter import ORIGINAL_SHAPE_ATTR, FullyShardedDataParallel, offload_policy
 from .dist_checkpoint import install_optimizer_checkpointing
 from .model_parallel import is_expert_parameter
 from .settings import check_optimizer_config
@@ -129,6 +136,24 @@ def _leaf_optimizers(optimizer) -> List:
     return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
 
 
+def _step_on_each_device(optimizer, config: OptimizerConfig) -> None:
+    """With offload some main parameters are host tensors: each leaf's inner Adam becomes torch's
+    fused Adam/AdamW over the same param groups (the same dicts, so Megatron's scheduler and
+    checkpoints see them), which runs the fused kernel on each device, CPU included. Megatron's
+    own choice (Transformer Engine's or Apex's FusedAdam) steps device tensors only. Built
+    before any step: there is no state to carry over."""
+    adam = torch.optim.AdamW if config.decoupled_weight_decay else torch.optim.Adam
+    for leaf in _leaf_optimizers(optimizer):
+        inner = leaf.optimizer
+        if inner is None or not inner.param_groups:
+            continue
+        if any(inner.state.values()):
+            raise RuntimeError("get_optimizer: the inner optimizer already holds state; offload replaces it before "
+                               "the first step only.")
+        leaf.optimizer = adam(inner.param_groups, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
+                              eps=config.adam_eps, weight_decay=config.weight_decay, fused=True)
+
+
 def get_optimizer(
     config: OptimizerConfig,
     model_chunks,
@@ -158,6 +183,11 @@ def get_optimizer(
     check_optimizer_config({f.name: getattr(config, f.name) for f in dataclasses.fields(config)}, *strategies,
                            main_dtype=chunks[0].mixed_precision.main_params_dtype)
 
+    offload = offload_policy(config)       # --optimizer-cpu-offload: our offload, not HybridDeviceOptimizer
+    if offload is not None:
+        for chunk in chunks:
+            chunk.module.set_offload(offload)
+        config = dataclasses.replace(config, optimizer_cpu_offload=False, use_precision_aware_optimizer=False)
     if config_overrides is None:
         config_overrides = get_standard_config_overrides(config)
     config_overrides = with_original_shapes(config_overrides)
@@ -170,6 +200,8 @@ def get_optimizer(
                                        use_gloo_process_groups=use_gloo_process_groups,
                                        pg_collection=pg_collection,
                                        dump_param_to_param_group_map=dump_param_to_param_group_map)
+    if offload is not None and config.optimizer == "adam":
+        _step_on_each_device(optimizer, config)
     if chunks[0].strategy.optim_sharded:
         # Disjoint shards: the squared norms add up over the data-parallel (with context-parallel)
         # group and the model-parallel group, i.e. over Megatron's distributed-optimizer instance

@@ -20,7 +20,7 @@ and the strategy (``"strategy"``).
 The constructor of ``FullyShardedDataParallel`` consults ``DDP_SETTINGS`` (``check_ddp_config``),
 ``get_optimizer`` and the ``pretrain_gpt`` launcher consult ``OPTIMIZER_SETTINGS``
 (``check_optimizer_config``). ``settings_markdown()`` renders both tables for docs/megatron_settings.md.
-CPU offload and the precision-aware optimizer are refused in one place, ``CPU_OFFLOAD_SETTINGS``.
+CPU offload (honoured through ``OffloadPolicy``) and the precision-aware optimizer are in one place, ``CPU_OFFLOAD_SETTINGS``.
 """
 
 from __future__ import annotations
@@ -84,30 +84,42 @@ def main_params_dtype(model_config, ddp_config) -> torch.dtype:
     return getattr(model_config, "params_dtype", None) or torch.float32
 
 
-# ---------------------------------------------------------------- CPU offload (refused, one place)
-# Megatron's --optimizer-cpu-offload needs --use-precision-aware-optimizer, which sets the DDP
-# config's megatron_fsdp_use_decoupled_grad (training.py's get_megatron_ddp_config): all three are
-# refused here, naming their flags, so that a launch stops at the flag the user gave.
-_OFFLOAD_WHY = ("optimizer state and steps on the CPU (HybridDeviceOptimizer) and the precision-aware "
-                "optimizer (Transformer Engine's FusedAdam with decoupled gradients) are not supported")
+# ---------------------------------------------------------------- CPU offload
+# --optimizer-cpu-offload is our offload by fraction (adapter.offload_policy, offload.py): the
+# chunks offload whole groups and their inner Adam steps on each device. Megatron's argument
+# validation demands --use-precision-aware-optimizer with it (its hybrid optimizer reuses that
+# path); with fp32 optimizer dtypes that flag changes nothing here, so it is accepted with offload
+# and refused without (Transformer Engine's FusedAdam with decoupled gradients is not supported).
+_PRECISION_AWARE_WHY = ("the precision-aware optimizer (Transformer Engine's FusedAdam with decoupled "
+                        "gradients) is not supported; with --optimizer-cpu-offload it is accepted for "
+                        "Megatron's argument check and changes nothing while the optimizer dtypes stay fp32")
+
+
+def _precision_aware_without_offload(value, context) -> bool:
+    return bool(value) and not getattr(context["optimizer"], "optimizer_cpu_offload", False)
+
+
 CPU_OFFLOAD_SETTINGS: Dict[str, Setting] = {s.field: s for s in (
-    _refused("optimizer_cpu_offload", "--optimizer-cpu-offload", "refused when True", _OFFLOAD_WHY),
-    _refused("use_precision_aware_optimizer", "--use-precision-aware-optimizer", "refused when True",
-             _OFFLOAD_WHY),
+    _honoured("optimizer_cpu_offload", "--optimizer-cpu-offload",
+              "honoured: offload by fraction (fully_shard's OffloadPolicy), the offloaded groups step on the CPU"),
+    _refused("use_precision_aware_optimizer", "--use-precision-aware-optimizer",
+             "accepted with --optimizer-cpu-offload (fp32 optimizer dtypes), refused otherwise", _PRECISION_AWARE_WHY,
+             when=_precision_aware_without_offload),
     _honoured("optimizer_offload_fraction", "--optimizer-offload-fraction",
-              "honoured: Megatron reads it only with optimizer_cpu_offload, which is refused"),
+              "honoured: the fraction of main-weight bytes (whole groups) kept in host memory; 0 <= f <= 1"),
     _honoured("use_torch_optimizer_for_cpu_offload", "--use-torch-optimizer-for-cpu-offload",
-              "honoured: read only with optimizer_cpu_offload (refused)"),
+              "honoured: offloaded groups always step with torch's fused CPU Adam/AdamW"),
     _honoured("overlap_cpu_optimizer_d2h_h2d", "--overlap-cpu-optimizer-d2h-h2d",
-              "honoured: read only with optimizer_cpu_offload (refused)"),
-    _honoured("pin_cpu_grads", "--no-pin-cpu-grads", "honoured: read only with optimizer_cpu_offload (refused)"),
-    _honoured("pin_cpu_params", "--no-pin-cpu-params", "honoured: read only with optimizer_cpu_offload (refused)"),
+              "honoured: gradient and weight copies on a side stream, overlapped (False: synchronous)"),
+    _honoured("pin_cpu_grads", "--no-pin-cpu-grads", "honoured: host buffers pinned; must equal pin_cpu_params"),
+    _honoured("pin_cpu_params", "--no-pin-cpu-params", "honoured: host buffers pinned; must equal pin_cpu_grads"),
     _honoured("store_param_remainders", None,
-              "honoured: read only with use_precision_aware_optimizer (refused)"),
+              "honoured: read only with the precision-aware optimizer's lower-precision main weights (not used)"),
 )}
 _DECOUPLED_GRAD = _refused(
     "megatron_fsdp_use_decoupled_grad", "set by --use-precision-aware-optimizer", "refused when True",
-    "decoupled gradients (the precision-aware optimizer's .decoupled_grad) are not supported; " + _OFFLOAD_WHY)
+    "decoupled gradients (the precision-aware optimizer's .decoupled_grad) are not supported; the launcher "
+    "clears it with --optimizer-cpu-offload, where --use-precision-aware-optimizer changes nothing")
 
 
 # ---------------------------------------------------------------- DistributedDataParallelConfig

@@ -112,12 +112,12 @@ def test_refusals_name_the_field_its_value_and_flag():
                                     megatron_fsdp_main_grads_dtype=torch.bfloat16), bf16)
 
 
-def test_offload_and_precision_aware_optimizer_are_refused_by_flag():
+def test_offload_is_honoured_and_precision_aware_optimizer_without_it_is_refused_by_flag():
     settings = _tables()
+    settings.check_optimizer_config({"optimizer_cpu_offload": True, "use_precision_aware_optimizer": True,
+                                     "optimizer_offload_fraction": 0.5}, "optim")     # no error
     with pytest.raises(ValueError, match=r"get_optimizer: FullyShardedDataParallel does not support "
-                                         r"optimizer_cpu_offload=True \(--optimizer-cpu-offload\): "):
-        settings.check_optimizer_config({"optimizer_cpu_offload": True}, "optim")
-    with pytest.raises(ValueError, match=r"use_precision_aware_optimizer=True \(--use-precision-aware-optimizer\)"):
+                                         r"use_precision_aware_optimizer=True \(--use-precision-aware-optimizer\)"):
         settings.check_optimizer_config({"use_precision_aware_optimizer": True}, "optim")
     with pytest.raises(ValueError, match=r"optimizer='muon' \(--optimizer\)"):
         settings.check_optimizer_config({"optimizer": "muon"}, "optim")
@@ -254,8 +254,14 @@ def _launcher(world_size):
         check_optimizer = settings.check_optimizer_config
         check_optimizer(vars(args), args.data_parallel_sharding_strategy)
     out["default_warnings"] = [str(w.message) for w in caught if "megatron_fsdp_v2" in str(w.message)]
-    for flag in ("--optimizer-cpu-offload", "--use-precision-aware-optimizer"):
-        out[flag] = _expect_error(lambda: pretrain_gpt.parse_args(LAUNCHER_ARGS + [flag]))
+    out["--use-precision-aware-optimizer"] = _expect_error(
+        lambda: pretrain_gpt.parse_args(LAUNCHER_ARGS + ["--use-precision-aware-optimizer"]))
+    offload = pretrain_gpt.parse_args(LAUNCHER_ARGS + ["--optimizer-cpu-offload", "--use-precision-aware-optimizer",
+                                                       "--use-distributed-optimizer", "--optimizer-offload-fraction",
+                                                       "0.5"])
+    out["offload_args"] = (offload.optimizer_cpu_offload, offload.optimizer_offload_fraction,
+                           offload.use_precision_aware_optimizer,
+                           training.get_megatron_ddp_config(offload).megatron_fsdp_use_decoupled_grad)
     out["no_shard_distopt"] = _expect_error(lambda: pretrain_gpt.parse_args(
         LAUNCHER_ARGS + ["--use-distributed-optimizer", "--data-parallel-sharding-strategy", "no_shard"]))
     return out
@@ -321,11 +327,12 @@ def test_readme_cpu_command_is_a_valid_launch(two_ranks):
     assert two_ranks[0]["readme_cpu"] == ("optim_grads", "gloo", 4)
 
 
-def test_launcher_refuses_offload_by_flag_and_is_quiet_at_defaults(two_ranks):
+def test_launcher_takes_offload_refuses_precision_aware_alone_and_is_quiet_at_defaults(two_ranks):
     out = two_ranks[0]
     assert out["default_warnings"] == []
-    assert "optimizer_cpu_offload=True (--optimizer-cpu-offload)" in out["--optimizer-cpu-offload"]
     assert "use_precision_aware_optimizer=True (--use-precision-aware-optimizer)" in \
         out["--use-precision-aware-optimizer"]
-    assert "decoupled gradients are not supported" not in out["--optimizer-cpu-offload"].split(":")[1]
+    # offload parses; the precision-aware flag Megatron demands with it is cleared, so the wrapper's
+    # ddp_config asks for no decoupled gradients
+    assert out["offload_args"] == (True, 0.5, False, False)
     assert "use_distributed_optimizer=True (--use-distributed-optimizer)" in out["no_shard_distopt"]

@@ -95,6 +95,22 @@ def case_train_parity_multi_group(ctx, strategy):
     ctx.checks.weights(model, ref)
 
 
+def case_train_parity_multi_group_cpu_offload_eager(ctx, strategy):
+    """As train_parity_multi_group with every group's main weights and Adam state on the host."""
+    from megatron_fsdp_v2 import OffloadPolicy
+
+    torch.manual_seed(42)
+    model = TinyTransformer(vocab=64, layers=3)
+    ref, opt, ref_opt = _wrap_with_reference(ctx, strategy, model, unit_modules=[TransformerBlock],
+                                             offload=OffloadPolicy(fraction=1.0, pin_memory=True))
+    offloaded = [g.offloaded is not None for g in model._fsdp_engine.groups]
+    ctx.checks.equal("every group offloaded", torch.tensor(all(offloaded)), torch.tensor(True))
+    torch.manual_seed(42 + ctx.rank + 1)
+    inputs = [torch.randint(0, 64, (3, 8)) for _ in range(ITERS)]
+    _train_pair(ctx, model, ref, opt, ref_opt, lambda it: inputs[it], ITERS)
+    ctx.checks.weights(model, ref)
+
+
 class InnerLinear(nn.Linear):
     """A Linear that is its own unit (``unit_modules=[InnerLinear]``)."""
 
@@ -1022,8 +1038,8 @@ def case_ddp_broadcast_buffer(ctx, strategy):
 
 
 DP2_CASES = [
-    case_train_parity_single_group, case_train_parity_multi_group, case_multi_forward_module,
-    case_non_root_forward_backward, case_train_parity_with_shared_params, case_train_shared_params_uneven_shard,
+    case_train_parity_single_group, case_train_parity_multi_group, case_train_parity_multi_group_cpu_offload_eager,
+    case_multi_forward_module, case_non_root_forward_backward, case_train_parity_with_shared_params, case_train_shared_params_uneven_shard,
     case_gradient_accumulation, case_1f1b_microbatching, case_double_forward_with_nested_fsdp_and_checkpoint,
     case_double_partial_forward_then_backward, case_partial_group_forward_then_standalone,
     case_partial_group_forward_grad_accum_chunked, case_reset_iter_state_after_exception,
@@ -1073,11 +1089,13 @@ def test_train_parity_multi_group(request, dp, strategy):
     check(request.getfixturevalue(f"dp{dp}"), "train_parity_multi_group", strategy)
 
 
-def test_train_parity_multi_group_cpu_offload_eager():
+@all_strategies
+def test_train_parity_multi_group_cpu_offload_eager(dp2, strategy):
     """pytorch/pytorch test/distributed/_composable/fsdp/test_fully_shard_training.py::
-    TestFullyShard1DTrainingCore::test_train_parity_multi_group_cpu_offload_eager."""
-    pytest.skip("fully_shard has no CPU offload policy (OffloadPolicy / CPUOffloadPolicy): parameters, grads and "
-                "optimizer state stay on the module's device")
+    TestFullyShard1DTrainingCore::test_train_parity_multi_group_cpu_offload_eager. Upstream's
+    CPUOffloadPolicy -> offload=OffloadPolicy(fraction=1.0, pin_memory=True): every group's main
+    weights and Adam state on the host; losses every iteration and final weights vs the reference."""
+    check(dp2, "train_parity_multi_group_cpu_offload_eager", strategy)
 
 
 @all_strategies

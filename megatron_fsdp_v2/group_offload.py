@@ -1,0 +1,91 @@
+"""A ParamGroup's verbs for offload ([Note: offload by fraction], offload.py): moving its main
+shard to the host, feeding the weight gathers from it and landing reduced gradients there. Mixed
+into ParamGroup, apart from param_group.py, which is the group's buffers on the device."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .grad_buffer import GradBuffer
+from .offload import HostLink, OffloadedGroup
+
+__all__ = ["GroupOffload"]
+
+
+class GroupOffload:
+    """Mixed into ParamGroup; reads its buffers, layout and strategy."""
+
+    offloaded: Optional[OffloadedGroup] = None
+
+    def offload_main(self, link: HostLink) -> None:
+        """Keep this group's main shard (and so the optimizer state made from its main parameters)
+        in host memory. Callable before an optimizer holds the main parameters: those already
+        made are re-pointed in place (``.data``), so references to them stay valid."""
+        if self.offloaded is not None:
+            return
+        device_main = self.main_shard
+        self.main_shard = link.host_copy(device_main)
+        grad_numel = (self.layout.shard_numel if self.strategy.optim_sharded else self.layout.total_numel)
+        self.offloaded = OffloadedGroup(link, grad_numel if self.requires_grad else 0, self.dtypes.grad,
+                                        self.layout.shard_numel if self.strategy.weights_sharded else 0,
+                                        self.dtypes.compute)
+        if self.strategy.grads_sharded and hasattr(self, "grads"):
+            # reduced gradients live on the host from now on: no device shard (one made at
+            # construction, before a later set_offload, is dropped)
+            persistent, self.grads = self.grads.persistent, GradBuffer(self.grads.numel, self.grads.dtype, self.device)
+            self.grads.persistent = persistent
+        if getattr(self, "compute_weights_are_main_weights", False):
+            # DDP without a cast: the device buffer the module's parameters view stays, as the
+            # compute weights; the main weights are the host copy from now on
+            self.compute_weights_are_main_weights = False
+            self.model_weights = device_main
+        if getattr(self, "main_params", None) is not None:
+            self.main_locals = [self._main_view(self.main_shard, i) for i in range(len(self.params))]
+            with torch.no_grad():
+                for index, main in enumerate(self.main_params):
+                    main.data = self.facing_optimizer(self.main_locals[index], index)
+
+    def _write_own_slot(self, slot: torch.Tensor) -> None:
+        """Put this rank's main shard, in the compute dtype, into ``slot`` (device) before a gather."""
+        offloaded = self.offloaded
+        if offloaded is None:
+            slot.copy_(self.main_shard)
+            return
+        if not self.strategy.weights_sharded:            # ZeRO-1/2: straight into the replicated weights
+            offloaded.upload(self.main_shard, slot, self._version_now())
+        elif offloaded.uploaded_version is None or offloaded.uploaded_version != self._version_now():
+            self.start_upload()                          # changed since the post-step upload (a load)
+        offloaded.wait_upload()
+        if self.strategy.weights_sharded:
+            slot.copy_(offloaded.compute_shard)
+
+    def _version_now(self) -> Optional[int]:
+        """``main_version()``, or None while the main parameters are being made (construction)."""
+        return self.main_version() if getattr(self, "main_params", None) is not None else None
+
+    def start_upload(self) -> None:
+        """ZeRO-3: start the copy of the host main shard to the device compute-weight shard (right
+        after an optimizer step); the next gather of this group waits for it on the device."""
+        if self.offloaded is not None and self.strategy.weights_sharded:
+            self.offloaded.upload(self.main_shard, self.offloaded.compute_shard, self._version_now())
+
+    def _refresh_whole_weights(self) -> None:
+        """DDP: the compute weights from the main weights (a cast, or from the host: an upload the
+        unit's forward waits for)."""
+        if self.offloaded is None:
+            with torch.no_grad():
+                self.model_weights.copy_(self.main_shard)
+            return
+        self.offloaded.upload(self.main_shard, self.model_weights, self._version_now())
+        from .param_group import PendingCollective
+        self._pending_refresh = PendingCollective(None, self.offloaded.wait_upload)
+
+    def host_bytes(self) -> dict:
+        """Bytes this group keeps in host memory (offloaded groups only)."""
+        if self.offloaded is None:
+            return {}
+        def nbytes(t):
+            return t.numel() * t.element_size()
+        return {"host_main_weights": nbytes(self.main_shard), "host_grads": nbytes(self.offloaded.grad)}

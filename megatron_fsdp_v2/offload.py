@@ -1,0 +1,206 @@
+"""CPU offload by fraction: which groups live in host memory, and the copies that keep them fed.
+
+[Note: offload by fraction]
+``fully_shard(..., offload=OffloadPolicy(fraction=f))`` keeps the main-weight shards (and so the
+optimizer state the user's optimizer creates from them) of whole parameter groups in host memory,
+chosen from the *last* group in forward order back until at least ``f`` of all main-weight bytes
+are chosen (``choose_offloaded``). The last groups are the right ones on both sides of a step:
+their reduced gradients land first in backward (so their device-to-host copies hide behind the
+rest of backward) and their weights are needed last in forward (so their host-to-device copies
+hide behind the first units' all-gathers and compute).
+
+An offloaded group's optimizer-facing main parameters *are* host tensors, so one unmodified
+``torch.optim`` optimizer steps them on the CPU and the other groups' on the device (torch's
+optimizers group tensors by device; ``fused=True`` runs the fused kernel on each, CPU included).
+Per step, for an offloaded group:
+
+  reduce lands     the reduced shard (device) is copied to the host gradient (``d2h``): on a
+                   side stream, not waited for; the device copy is freed once the copy is done.
+                   The first landing since ``zero_grad`` writes the host gradient, later ones
+                   (gradient accumulation) are added on the host when the next landing or the
+                   end of backward needs them.
+  end of backward  the host waits for the copies (``flush``); ``.grad`` of the host main
+                   parameters point at the host gradient.
+  optimizer step   on the CPU for these parameters (the user's optimizer).
+  after the step   the engine's post-step hook starts the host-to-device copy of the main shard
+                   (``upload``) on the side stream, cast to the compute dtype on the device
+                   (one group's main-dtype shard is a transient device buffer). ZeRO-3 keeps the
+                   result as a persistent compute-weight shard the all-gather reads; ZeRO-1/2
+                   write straight into their slot of the replicated weights; DDP into its weights.
+  next forward     the all-gather (or the unit's forward, DDP) makes the device stream wait for
+                   the copy's event: a device-side wait, the host never blocks on it.
+
+On a device without streams (CPU) every copy is a plain synchronous ``copy_``; the placement
+logic, the choice of groups and the arithmetic are the same, so CPU runs test them bitwise.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+
+__all__ = ["HostLink", "OffloadPolicy", "OffloadedGroup", "choose_offloaded"]
+
+
+@dataclass(frozen=True)
+class OffloadPolicy:
+    """Keep the main weights and optimizer state of a ``fraction`` of the parameter groups (by
+    bytes, whole groups) in host memory; they step on the CPU, the rest on the device.
+
+    Args:
+        fraction: ``0 <= fraction <= 1``; 0 offloads nothing (the default path), 1 every group.
+        pin_memory: page-locked host buffers (needed for asynchronous copies on a GPU; ignored
+            on a CPU-only run, where there is nothing to pin for).
+        overlap: copies on a side stream, overlapped with compute (default); ``False``: on the
+            compute stream, synchronous (Megatron's ``overlap_cpu_optimizer_d2h_h2d=False``).
+    """
+
+    fraction: float = 1.0
+    pin_memory: bool = True
+    overlap: bool = True
+
+    def __post_init__(self) -> None:
+        f = self.fraction
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f) or not 0 <= f <= 1:
+            raise ValueError(f"offload: OffloadPolicy.fraction must be a number with 0 <= fraction <= 1, got {f!r}.")
+        for name in ("pin_memory", "overlap"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"offload: OffloadPolicy.{name} must be True or False, got {getattr(self, name)!r}.")
+
+
+def choose_offloaded(group_bytes: Sequence[int], fraction: float) -> frozenset:
+    """Indices of the groups to offload: from the last back, until at least ``fraction`` of the
+    total bytes are chosen ([Note: offload by fraction]); none for 0, all for 1."""
+    total = sum(group_bytes)
+    chosen, held = set(), 0
+    for index in reversed(range(len(group_bytes))):
+        if fraction == 0 or (fraction < 1 and held >= fraction * total):
+            break
+        chosen.add(index)
+        held += group_bytes[index]
+    return frozenset(chosen)
+
+
+class HostLink:
+    """The copies between one device and host memory, and the side stream they run on."""
+
+    def __init__(self, device: torch.device, policy: OffloadPolicy) -> None:
+        self.device = device
+        self.host = torch.device("cpu")
+        accelerator = device.type != "cpu"
+        self.pin = policy.pin_memory and accelerator
+        self._module = torch.get_device_module(device) if accelerator else None
+        self.stream = self._module.Stream(device=device) if accelerator and policy.overlap else None
+
+    def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype, device=self.host, pin_memory=self.pin)
+
+    def host_copy(self, tensor: torch.Tensor) -> torch.Tensor:
+        out = self.host_empty(tensor.numel(), tensor.dtype)
+        out.copy_(tensor.reshape(-1))
+        return out
+
+    def copy(self, dst: torch.Tensor, make_src: Callable[[], torch.Tensor]):
+        """``dst.copy_(make_src())`` after the work queued so far on the compute stream, on the side
+        stream when there is one; returns its event (None: done already). ``make_src`` runs on
+        that stream too, so device temporaries it allocates are that stream's."""
+        if self.stream is None:
+            with torch.no_grad():
+                dst.copy_(make_src())
+            return None
+        self.stream.wait_stream(self._module.current_stream(self.device))
+        with torch.no_grad(), self._module.stream(self.stream):
+            src = make_src()
+            dst.copy_(src, non_blocking=True)
+            if src.device != self.host:
+                src.record_stream(self.stream)      # the caching allocator keeps it until the copy ran
+            if dst.device != self.host:
+                dst.record_stream(self.stream)
+            event = self._module.Event()
+            event.record(self.stream)
+        return event
+
+    def device_waits(self, event) -> None:
+        """The compute stream waits for ``event`` (the host does not)."""
+        if event is not None:
+            self._module.current_stream(self.device).wait_event(event)
+
+    @staticmethod
+    def host_waits(event) -> None:
+        if event is not None:
+            event.synchronize()
+
+
+class OffloadedGroup:
+    """What an offloaded ParamGroup holds besides its host main shard: the host gradient, the
+    copies in flight and (ZeRO-3) the device compute-weight shard."""
+
+    def __init__(self, link: HostLink, grad_numel: int, grad_dtype: torch.dtype, compute_numel: int,
+                 compute_dtype: torch.dtype) -> None:
+        self.link = link
+        self.grad = link.host_empty(grad_numel, grad_dtype).zero_()
+        self.grad_fresh = True            # holds nothing of this accumulation yet (zeroed lazily)
+        self._staging: Optional[torch.Tensor] = None     # a later landing's values, to add on the host
+        self._pending: list = []          # (event, what the host does once it completed)
+        self.compute_shard = (torch.empty(compute_numel, dtype=compute_dtype, device=link.device)
+                              if compute_numel else None)
+        self._upload_event = None
+        self.uploaded_version: Optional[int] = None
+
+    # -- gradients -----------------------------------------------------------------------------
+    def land_grads(self, reduced: torch.Tensor, scale: float, overwrite: bool) -> None:
+        """Take a reduce's result (device, any dtype): ``grad = reduced * scale`` if ``overwrite``
+        or nothing landed since ``zero``, else ``grad += reduced * scale`` (on the host, later).
+
+        ``overwrite`` is for a persistent source (DDP / ZeRO-1's full-size buffer, which the next
+        backward writes again): the compute stream waits for its copy before going on. A
+        temporary source (ZeRO-2/3's reduce output) is only kept alive until its copy ran."""
+        self.flush()
+        if overwrite or self.grad_fresh:
+            def scaled():
+                out = reduced.to(self.grad.dtype)
+                return out.mul_(scale) if scale != 1.0 else out
+            event = self.link.copy(self.grad, scaled)
+            self._pending.append((event, None))
+            if overwrite:
+                self.link.device_waits(event)
+        else:
+            if self._staging is None:
+                self._staging = self.link.host_empty(self.grad.numel(), self.grad.dtype)
+            event = self.link.copy(self._staging, lambda: reduced.to(self.grad.dtype))
+            self._pending.append((event, lambda: self.grad.add_(self._staging, alpha=scale)))
+        self.grad_fresh = False
+
+    def flush(self) -> None:
+        """Make ``grad`` final on the host: wait for the copies, apply the pending additions."""
+        pending, self._pending = self._pending, []
+        for event, then in pending:
+            self.link.host_waits(event)
+            if then is not None:
+                with torch.no_grad():
+                    then()
+        if self.grad_fresh:
+            self.grad.zero_()
+            self.grad_fresh = False
+
+    def zero(self) -> None:
+        """A fresh accumulation: the next landing overwrites (no pass over the host buffer now)."""
+        self.flush()
+        self.grad_fresh = True
+
+    # -- weights -----------------------------------------------------------------------------
+    def upload(self, main: torch.Tensor, dst: torch.Tensor, version: int) -> None:
+        """Start the copy of the host ``main`` shard into ``dst`` (device, compute dtype)."""
+        if dst.dtype == main.dtype:
+            make_src = lambda: main                                  # noqa: E731
+        else:
+            make_src = lambda: main.to(self.link.device, non_blocking=True)   # noqa: E731  cast on the device
+        self._upload_event = self.link.copy(dst, make_src)
+        self.uploaded_version = version
+
+    def wait_upload(self) -> None:
+        """The compute stream waits for the last upload."""
+        self.link.device_waits(self._upload_event)

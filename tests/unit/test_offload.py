@@ -1,0 +1,186 @@
+"""CPU offload by fraction (offload.py, [Note: offload by fraction]).
+
+On CPU the "device" is the CPU too, so these tests check what does not depend on the hardware:
+which groups go to the host, that their main weights, gradients and optimizer state live in
+separate host buffers that the step, the gathers and checkpoints read and write, and that the
+results are bitwise those of the run without offload, for every strategy at dp 2."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given, settings, strategies as st
+
+from megatron_fsdp_v2 import STRATEGY_NAMES, OffloadPolicy, fully_shard, load_checkpoint, save_checkpoint
+from megatron_fsdp_v2.offload import choose_offloaded
+
+from .dist_utils import run_distributed
+from .models import Block, UnevenNet, make_batches
+from .scenarios import loss_fn
+
+FRACTIONS = (0.0, 0.5, 1.0)
+
+
+def _wrap(strategy, fraction, dtensor_params=True):
+    torch.manual_seed(0)
+    offload = None if fraction is None else OffloadPolicy(fraction=fraction)
+    return fully_shard(UnevenNet(), sharding_strategy=strategy, unit_modules=[Block], offload=offload,
+                       dtensor_params=dtensor_params)
+
+
+def _train(model, opt, rank, steps, k=2, first_step=0, dtype=torch.float32):
+    for step in range(first_step, first_step + steps):
+        for i, (x, y) in enumerate(make_batches(step, rank, k)):
+            with (model.no_sync() if i < k - 1 else contextlib.nullcontext()):
+                loss_fn(model(x.to(dtype)).float(), y).backward()
+        model.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+
+
+def _placement(model) -> dict:
+    groups = model._fsdp_engine.groups
+    offloaded = [g for g in groups if g.offloaded is not None]
+    distinct = all(g.main_shard.data_ptr() != (g.model_weights.data_ptr() if g.model_weights is not None else -1)
+                   and (g.offloaded.compute_shard is None or g.offloaded.compute_shard.data_ptr() != g.main_shard.data_ptr())
+                   for g in offloaded)
+    return {"offloaded": [groups.index(g) for g in offloaded], "groups": len(groups),
+            "bytes": model.persistent_bytes(), "main_and_compute_apart": distinct}
+
+
+def parity_worker(rank, world_size):
+    out = {}
+    for strategy in STRATEGY_NAMES:
+        for fraction in FRACTIONS:
+            model = _wrap(strategy, fraction)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+            _train(model, opt, rank, steps=2)
+            state = {n: s["exp_avg_sq"].full_tensor() if hasattr(s["exp_avg_sq"], "full_tensor") else s["exp_avg_sq"]
+                     for n, s in ((n, opt.state[p]) for n, p in model.named_parameters())}
+            out[(strategy, fraction)] = (model.full_state_dict(), state, _placement(model))
+    return out
+
+
+@pytest.fixture(scope="module")
+def parity():
+    return run_distributed(parity_worker, 2)
+
+
+@pytest.mark.parametrize("strategy", STRATEGY_NAMES)
+def test_offload_fraction_gives_bitwise_identical_training(parity, strategy):
+    for rank_result in parity:
+        weights0, state0, _ = rank_result[(strategy, 0.0)]
+        for fraction in (0.5, 1.0):
+            weights, state, _ = rank_result[(strategy, fraction)]
+            assert list(weights) == list(weights0)
+            for name in weights0:
+                assert torch.equal(weights[name], weights0[name]), (strategy, fraction, name)
+            for name in state0:
+                assert torch.equal(state[name], state0[name]), (strategy, fraction, name)
+    # the run trained: the weights moved away from their initial values
+    torch.manual_seed(0)
+    initial = UnevenNet().state_dict()
+    assert not torch.equal(parity[0][(strategy, 0.0)][0]["head.weight"], initial["head.weight"])
+
+
+@pytest.mark.parametrize("strategy", STRATEGY_NAMES)
+def test_offload_places_whole_groups_from_the_last(parity, strategy):
+    none, half, every = (parity[0][(strategy, f)][2] for f in FRACTIONS)
+    groups = every["groups"]
+    assert none["offloaded"] == [] and "host_total" not in none["bytes"]
+    assert every["offloaded"] == list(range(groups))
+    assert every["bytes"]["main_weights"] == 0
+    assert every["bytes"]["host_main_weights"] == none["bytes"]["main_weights"]
+    assert half["offloaded"] == list(range(groups - len(half["offloaded"]), groups))
+    assert 0 < len(half["offloaded"]) < groups
+    host, device = half["bytes"]["host_main_weights"], half["bytes"]["main_weights"]
+    assert host + device == none["bytes"]["main_weights"] and host >= device
+    assert every["main_and_compute_apart"] and half["main_and_compute_apart"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 1000), min_size=1, max_size=12), st.floats(0, 1))
+def test_choose_offloaded_takes_the_shortest_suffix_holding_the_fraction(sizes, fraction):
+    chosen = choose_offloaded(sizes, fraction)
+    n = len(sizes)
+    assert chosen == frozenset(range(n - len(chosen), n))          # a suffix: the last groups
+    held = sum(sizes[i] for i in chosen)
+    if fraction == 1:
+        assert len(chosen) == n
+    elif fraction == 0:
+        assert not chosen
+    else:
+        assert held >= fraction * sum(sizes)
+        if chosen:                                                  # no shorter suffix would do
+            assert held - sizes[min(chosen)] < fraction * sum(sizes)
+
+
+@pytest.mark.parametrize("bad", [1.5, -0.1, float("nan"), True, "half"])
+def test_bad_fraction_is_refused_naming_the_argument(bad):
+    with pytest.raises(ValueError, match=r"OffloadPolicy\.fraction must be a number with 0 <= fraction <= 1, got"):
+        OffloadPolicy(fraction=bad)
+
+
+def test_offload_must_be_a_policy():
+    with pytest.raises(TypeError, match="offload must be an OffloadPolicy or None, got float"):
+        fully_shard(UnevenNet(), sharding_strategy="optim", offload=0.5)
+
+
+def checkpoint_worker(rank, world_size, root):
+    """Save at one fraction, load at another (and strategy), continue: bitwise the same as without."""
+    out = {}
+    for strategy, (save_f, load_f) in (("optim_grads_params", (1.0, 0.0)), ("optim_grads_params", (0.0, 1.0)),
+                                       ("optim", (1.0, 0.5))):
+        path = os.path.join(root, f"{strategy}-{save_f}-{load_f}")
+        model = _wrap(strategy, save_f)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        _train(model, opt, rank, steps=2)
+        save_checkpoint(path, model, opt)
+        _train(model, opt, rank, steps=2, first_step=2)
+        want = model.full_state_dict()
+        dist.barrier()
+        loaded = _wrap(strategy, load_f)
+        opt2 = torch.optim.AdamW(loaded.parameters(), lr=1e-2)
+        load_checkpoint(path, loaded, opt2)
+        offloaded = sum(g.offloaded is not None for g in loaded._fsdp_engine.groups)
+        _train(loaded, opt2, rank, steps=2, first_step=2)
+        got = loaded.full_state_dict()
+        out[(strategy, save_f, load_f)] = (all(torch.equal(got[n], want[n]) for n in want), offloaded)
+    return out
+
+
+def test_checkpoints_reshard_into_and_out_of_offload(tmp_path):
+    results = run_distributed(checkpoint_worker, 2, str(tmp_path))
+    for result in results:
+        for (strategy, save_f, load_f), (equal, offloaded) in result.items():
+            assert equal, (strategy, save_f, load_f)
+            assert (offloaded > 0) == (load_f > 0)
+
+
+def mixed_precision_worker(rank, world_size):
+    """bf16 compute weights (the upload casts on the device) and bf16 gradient reduces (the host
+    gradient takes them in fp32), ZeRO-3 and ZeRO-1, with and without offload."""
+    from megatron_fsdp_v2 import MixedPrecisionPolicy
+
+    out = {}
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, grad_comm_dtype=torch.bfloat16)
+    for strategy in ("optim_grads_params", "optim"):
+        for fraction in (0.0, 1.0):
+            torch.manual_seed(0)
+            model = fully_shard(UnevenNet(), sharding_strategy=strategy, unit_modules=[Block], mixed_precision=policy,
+                                offload=OffloadPolicy(fraction=fraction))
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            _train(model, opt, rank, steps=2, dtype=torch.bfloat16)
+            out[(strategy, fraction)] = model.full_state_dict()
+    return out
+
+
+def test_offload_with_bf16_compute_and_reduce_is_bitwise_identical():
+    for result in run_distributed(mixed_precision_worker, 2):
+        for strategy in ("optim_grads_params", "optim"):
+            want, got = result[(strategy, 0.0)], result[(strategy, 1.0)]
+            assert all(torch.equal(got[n], want[n]) for n in want), strategy

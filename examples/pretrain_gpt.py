@@ -43,6 +43,11 @@ Checkpoints: ``--save DIR --save-interval N`` / ``--load DIR`` with ``--ckpt-for
 (Megatron-LM's default; the other formats are rejected). Each rank writes only its shards
 (``megatron_fsdp_v2/megatron/dist_checkpoint.py``); a checkpoint loads at another data-parallel
 size and with another ``--data-parallel-sharding-strategy``, model and optimizer state included.
+``--save`` writes the optimizer in Megatron DDP + DistributedOptimizer's layout (``dp_reshardable``,
+or ``fully_reshardable`` with ``--dist-ckpt-optim-fully-reshardable``), so Megatron-LM with
+``--use-distributed-optimizer`` resumes from it; ``--load`` of such a checkpoint written by
+Megatron-LM resumes with its optimizer state (``load_checkpoint`` is wrapped to read which layout the
+directory holds first: ``read_optimizer_layout``). docs/checkpointing.md has both recipes.
 """
 
 from __future__ import annotations
@@ -57,7 +62,8 @@ from typing import List, Optional
 import torch
 
 from megatron_fsdp_v2 import STRATEGY_NAMES, AutoStrategy
-from megatron_fsdp_v2.megatron import FullyShardedDataParallel, check_optimizer_config, get_optimizer
+from megatron_fsdp_v2.megatron import (FullyShardedDataParallel, check_optimizer_config, get_optimizer,
+                                       read_optimizer_layout)
 
 logger = logging.getLogger(__name__)
 
@@ -218,9 +224,19 @@ def use_fully_sharded_data_parallel(args: Optional[argparse.Namespace] = None):
     def keep_on_meta(module, *, device, recurse=True):
         return module
 
+    original_load = training.load_checkpoint
+
+    @functools.wraps(original_load)
+    def load_checkpoint(ddp_model, optimizer, *args, **kwargs):
+        directory = latest_checkpoint_directory()
+        if optimizer is not None and directory is not None:
+            read_optimizer_layout(optimizer, directory)     # ours, or Megatron DDP's (either sharding type)
+        return original_load(ddp_model, optimizer, *args, **kwargs)
+
     training.wrap_model_chunks_with_ddp = wrap_model_chunks
     training.get_megatron_optimizer = get_optimizer
     training.to_empty_if_meta_device = keep_on_meta
+    training.load_checkpoint = load_checkpoint
     with _prebuilt_dataset_helpers():
         try:
             yield
@@ -228,6 +244,26 @@ def use_fully_sharded_data_parallel(args: Optional[argparse.Namespace] = None):
             training.wrap_model_chunks_with_ddp = original_wrap
             training.get_megatron_optimizer = original_get_optimizer
             training.to_empty_if_meta_device = original_to_empty
+            training.load_checkpoint = original_load
+
+
+def latest_checkpoint_directory() -> Optional[str]:
+    """The ``torch_dist`` directory Megatron-LM's ``load_checkpoint`` will read for ``--load``
+    (its tracker file's iteration, or ``--ckpt-step``), or ``None`` when there is none (then
+    Megatron-LM's own rules apply: start from scratch, or its error)."""
+    import os
+
+    from megatron.training import checkpointing
+    from megatron.training.global_vars import get_args
+
+    args = get_args()
+    if not args.load or not checkpointing.checkpoint_exists(args.load):
+        return None
+    iteration, release = checkpointing.read_metadata(checkpointing.get_checkpoint_tracker_filename(args.load))
+    if getattr(args, "ckpt_step", None) is not None:
+        iteration, release = args.ckpt_step, False
+    directory = checkpointing.get_checkpoint_name(args.load, iteration, release, return_base_dir=True)
+    return directory if os.path.isfile(os.path.join(directory, ".metadata")) else None
 
 
 @contextlib.contextmanager

@@ -33,6 +33,7 @@ __all__ = [
     "init_megatron_parallel_state",
     "destroy_megatron_parallel_state",
     "cpu_model_parallel_manual_seed",
+    "distributed_optimizer_on_cpu",
 ]
 
 
@@ -387,6 +388,93 @@ def patch_megatron_for_cpu(*extra_modules: str):
         p.setattr(mopt, "clip_grad_by_total_norm_fp32", cpu_clip)
         if mclip.l2_norm_impl is mutils.local_multi_tensor_l2_norm:  # no TE / apex installed
             p.setattr(mclip, "l2_norm_impl", _cpu_local_multi_tensor_l2_norm)
+        yield
+    finally:
+        p.undo()
+
+
+_CUDA_TYPE_NAMES = {"torch.FloatTensor": "torch.cuda.FloatTensor", "torch.HalfTensor": "torch.cuda.HalfTensor",
+                    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor"}
+
+
+def _while_patched(method, patch_on, patch_off):
+    @functools.wraps(method)
+    def run(*args, **kwargs):
+        patch_on()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            patch_off()
+    return run
+
+
+@contextlib.contextmanager
+def distributed_optimizer_on_cpu():
+    """Megatron's ``DistributedOptimizer`` on its Megatron-DDP path (not the ``use_megatron_fsdp``
+    one) on CPU, for reference runs and checkpoints in the tests (use inside
+    ``patch_megatron_for_cpu``):
+
+    * its constructor asks ``param.type()`` for ``'torch.cuda.FloatTensor'`` and the like: while
+      it runs, ``Tensor.type()`` (no arguments) names CPU float tensors as CUDA ones;
+    * ``get_parameter_state_dp_zero`` (the ``fully_reshardable`` gather) moves tensors with
+      ``.cuda()``: a no-op while it runs;
+    * its module's global ``torch`` gets patch 3's shim (``torch.cuda.current_device()`` buffers);
+    * ``_set_main_param_and_optimizer_states`` leaves Adam's ``step`` alone. Without Transformer
+      Engine or apex Megatron falls back to torch's Adam, which keeps ``step`` as a per-parameter
+      state tensor (TE's FusedAdam keeps it in ``param_groups``). ``load_state_dict`` sets it from
+      the checkpoint's ``param_groups``, then this per-parameter copy raises ``KeyError: 'step'``
+      on a ``fully_reshardable`` load and puts the pre-load step back on a ``dp_reshardable`` one;
+      skipping it gives the GPU (FusedAdam) behaviour: the saved step;
+    * after ``load_state_dict`` every parameter gets its own ``step`` tensor: Megatron hands the
+      same tensor to all of them, and torch's Adam then adds 1 to it once per parameter per step.
+    """
+    import megatron.core.optimizer.distrib_optimizer as mdo
+
+    cls, p = mdo.DistributedOptimizer, _Patcher()
+    real_type, real_cuda = torch.Tensor.type, torch.Tensor.cuda
+
+    def cpu_type(tensor, *args, **kwargs):
+        name = real_type(tensor, *args, **kwargs)
+        return _CUDA_TYPE_NAMES.get(name, name) if not args and not kwargs else name
+
+    def types_on():
+        torch.Tensor.type = cpu_type
+
+    def types_off():
+        torch.Tensor.type = real_type
+
+    def cuda_on():
+        torch.Tensor.cuda = lambda tensor, *a, **k: tensor
+
+    def cuda_off():
+        torch.Tensor.cuda = real_cuda
+
+    try:
+        p.setattr(cls, "__init__", _while_patched(cls.__init__, types_on, types_off))
+        p.setattr(cls, "get_parameter_state_dp_zero", _while_patched(cls.get_parameter_state_dp_zero, cuda_on, cuda_off))
+        p.setattr(mdo, "torch", _CpuTorchModule())
+        set_states = cls._set_main_param_and_optimizer_states
+
+        def set_states_but_step(self, model_param, tensors):
+            group_index, group_order = self.model_param_group_index_map[model_param]
+            state = self.optimizer.state[self.optimizer.param_groups[group_index]["params"][group_order]]
+            step = state.pop("step", None)
+            try:
+                return set_states(self, model_param, {k: v for k, v in tensors.items() if k != "step"})
+            finally:
+                if step is not None:
+                    state["step"] = step
+
+        p.setattr(cls, "_set_main_param_and_optimizer_states", set_states_but_step)
+        load_state_dict = cls.load_state_dict
+
+        def load_with_own_steps(self, state_dict):
+            load_state_dict(self, state_dict)
+            for state in self.optimizer.state.values():
+                if isinstance(state.get("step"), torch.Tensor):
+                    state["step"] = state["step"].clone()
+
+        p.setattr(cls, "load_state_dict", load_with_own_steps)
         yield
     finally:
         p.undo()

@@ -37,6 +37,7 @@ _EXPORTS = {
     "save_checkpoint": "dcp_checkpoint",
     "install_optimizer_checkpointing": "dist_checkpoint",
     "load_dist_checkpoint": "dist_checkpoint",
+    "read_optimizer_layout": "dist_checkpoint",
     "save_dist_checkpoint": "dist_checkpoint",
     "with_original_shapes": "optimizer",
 }

@@ -80,6 +80,7 @@ from .meta_init import megatron_init_fn
 from .model_parallel import (TiedEmbeddingGradSum, check_tensor_parallel_peers_share_the_layout, data_parallel_group,
                              expert_data_parallel_group, expose_grads_to_finalize_model_grads, is_expert_parameter,
                              optimizer_instance_groups, tensor_parallel_group, tied_embedding_name)
+from .distopt_format import bucket_offsets, buffer_dtype_name, megatron_bucket_size
 from .dist_checkpoint import (install_model_checkpointing, megatron_layout, model_sharded_state_dict,
                               model_values_from_loaded)
 from ..mixed_precision import MixedPrecisionPolicy
@@ -573,6 +574,31 @@ class FullyShardedDataParallel(DistributedDataParallel):
             if short in placements:
                 out[entry.name] = (placements[short], tuple(entry.shape))
         return out
+
+    def megatron_buffer_layout(self) -> tuple:
+        """(model-parallel rank, ({name: BucketSlot}, per-bucket element counts), the grad
+        buffer's dtype name): where Megatron's DDP with the distributed optimizer would keep each
+        parameter's state in its buckets at this tensor/pipeline layout (distopt_format.py)."""
+        from megatron.core import parallel_state as ps
+
+        pg = self.pg_collection
+        mp_group = getattr(pg, "mp", None) if pg is not None else None
+        mp_group = mp_group or (ps.get_model_parallel_group() if ps.model_parallel_is_initialized() else None)
+        pp_group = getattr(pg, "pp", None) if pg is not None else None
+        pp_group = pp_group or (ps.get_pipeline_model_parallel_group() if ps.model_parallel_is_initialized() else None)
+        entries = {e.name: e for e in self.module.sharded_parameters() if e.module_param.requires_grad}
+        order = [(name, tuple(entries[name].shape), bool(getattr(entries[name].module_param, "shared_embedding", False)))
+                 for name, _ in self.module.named_parameters() if name in entries]
+        order += [(n, tuple(e.shape), bool(getattr(e.module_param, "shared_embedding", False)))
+                  for n, e in entries.items() if n not in {o[0] for o in order}]
+        bucket_size = megatron_bucket_size(self.ddp_config, dist.get_world_size(self.dp_cp_group),
+                                           dist.get_rank(pp_group) if pp_group is not None else 0)
+        slots = bucket_offsets(order, bucket_size, self.ddp_config)
+        param_dtype = self.config.params_dtype if not (self.config.bf16 or self.config.fp16) else (
+            torch.bfloat16 if self.config.bf16 else torch.float16)
+        grad_dtype = torch.float32 if self.ddp_config.grad_reduce_in_fp32 else param_dtype
+        mp_rank = dist.get_rank(mp_group) if mp_group is not None else 0
+        return mp_rank, slots, buffer_dtype_name(param_dtype, grad_dtype)
 
     def load_state_dict(self, state_dict, strict: bool = True):
         """Load full tensors (keys as ``state_dict()`` gives them) or what ``dist_checkpointing.load``

@@ -44,7 +44,7 @@ the layout, checkpoints reshard across data-parallel, tensor- and pipeline-paral
 strategies. Optimizer state (format 2) lives under ``optimizer.state.<Megatron key>.<key>`` at the
 parameter's stacked-layer offset and tensor-parallel slice, so it is global across pipeline stages
 too; format 1 (before pipeline parallelism) used ``optimizer.state.<param name>.<key>`` and still
-loads (``_read_as_written``). ``dist_checkpointing.load`` returns the
+loads (``read_optimizer_layout``). ``dist_checkpointing.load`` returns the
 same structure with tensors in place of ShardedTensors; ``from_loaded`` turns a box dict back into
 this rank's ``FlatRangeShard`` and the core's loaders copy it into place.
 """
@@ -63,13 +63,15 @@ import torch
 
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
-from ..checkpoint import CLASS_KEY, load_optimizer_state_dict, optimizer_state_dict
+from ..checkpoint import CLASS_KEY, load_optimizer_state_dict, model_state_dict, optimizer_state_dict
 from ..checkpoint_integrity import verify_directory, write_directory_manifest
 from ..dcp_format import FlatRangeShard
 from ..safe_reader import SafeFileSystemReader
+from . import distopt_format
 
 __all__ = ["FORMAT_KEY", "Placement", "ShardedModelCheckpoint", "ShardedOptimizerCheckpoint", "from_loaded",
            "install_model_checkpointing", "install_optimizer_checkpointing", "load_dist_checkpoint",
+           "read_optimizer_layout",
            "safe_dcp_reading", "MegatronLayout", "megatron_layout", "model_sharded_state_dict",
            "model_values_from_loaded", "save_dist_checkpoint", "to_sharded"]
 
@@ -331,6 +333,13 @@ class ShardedOptimizerCheckpoint:
         values = optimizer_state_dict(self._fsdp_v2_model, self.optimizer)
         if is_loading:      # dist_checkpointing.load fills these tensors in place: load_state_dict installs them
             self._fsdp_v2_loading_template = values
+        source = self._source_format(metadata) if is_loading else self._target_format(metadata)
+        if source is not None and is_loading:    # Megatron DDP + DistributedOptimizer's own layout (distopt_format.py)
+            return distopt_format.loading_requests(self, values, source, to_sharded)
+        if source is not None:
+            return distopt_format.saving_dict(self, values, model_state_dict(self._fsdp_v2_model), source, to_sharded)
+        if metadata is not None:    # Megatron-LM saves it as the checkpoint's content metadata
+            metadata[FORMAT_KEY] = FORMAT_VERSION
         state = _drop_empty({k: to_sharded(f"optimizer.{k}", v, self._replica_rank(k), self._state_placement(k, v),
                                            self._fsdp_v2_tp_rank, self._fsdp_v2_shard_replica)
                              for k, v in values.items() if k.startswith("state.")})
@@ -339,6 +348,29 @@ class ShardedOptimizerCheckpoint:
         if getattr(self, "grad_scaler", None) is not None:
             out["grad_scaler"] = self.grad_scaler.state_dict()
         return out
+
+    def _source_format(self, metadata) -> Optional[str]:
+        """The Megatron distributed-optimizer sharding type to read, ``None`` for ours: what
+        ``load_dist_checkpoint`` (or the launcher) found in the checkpoint's keys, else what
+        Megatron-LM's ``load_checkpoint`` passes from the checkpoint's content metadata (ours
+        record ``FORMAT_KEY`` there)."""
+        found = getattr(self, "_fsdp_v2_source", "unknown")
+        if found != "unknown":
+            return found
+        metadata = metadata or {}
+        if FORMAT_KEY in metadata:
+            return None
+        kind = metadata.get("distrib_optim_sharding_type")
+        return kind if kind in distopt_format.MEGATRON_TYPES or kind == distopt_format.DP_ZERO else None
+
+    @staticmethod
+    def _target_format(metadata) -> Optional[str]:
+        """The layout to write: Megatron's when ``metadata["distrib_optim_sharding_type"]`` asks for
+        one of its distributed-optimizer types (Megatron-LM's ``save_checkpoint`` always does:
+        ``dp_reshardable``, or ``fully_reshardable`` with --dist-ckpt-optim-fully-reshardable), so
+        Megatron DDP loads it back; ours otherwise (``save_dist_checkpoint`` by default)."""
+        kind = (metadata or {}).get("distrib_optim_sharding_type")
+        return kind if kind in distopt_format.MEGATRON_TYPES else None
 
     def _replica_rank(self, key: str) -> int:
         """The data-parallel element of a replicated value's replica id: the expert-data-parallel
@@ -355,7 +387,7 @@ class ShardedOptimizerCheckpoint:
         and with its replica id (a tied output layer's copy is not the main replica), scalar state
         (``step``) one element per stacked layer, a replica on every tensor-parallel rank.
         Parameters Megatron does not place keep ``optimizer.state.<param name>``, as does every
-        parameter in format 1 (``_read_as_written``)."""
+        parameter in format 1 (``read_optimizer_layout``)."""
         name, sub = key[len("state."):].rsplit(".", 1)
         found = self._fsdp_v2_slices.get(name)
         if found is None or getattr(self, "_fsdp_v2_format", FORMAT_VERSION) == 1:
@@ -370,6 +402,13 @@ class ShardedOptimizerCheckpoint:
 
     def load_state_dict(self, state_dict):
         """Load what ``dist_checkpointing.load`` returned for ``sharded_state_dict()``."""
+        if isinstance(state_dict, dict) and distopt_format.REQUESTS in state_dict:
+            templates = (self.__dict__.pop("_fsdp_v2_loading_template", None)
+                         or optimizer_state_dict(self._fsdp_v2_model, self.optimizer))
+            templates.pop(CLASS_KEY, None)
+            values = distopt_format.values_from_loaded(self, state_dict, templates)
+            load_optimizer_state_dict(self._fsdp_v2_model, self.optimizer, OrderedDict(values))
+            return
         if not isinstance(state_dict, dict) or state_dict.get(FORMAT_KEY) not in (1, FORMAT_VERSION):
             got = state_dict.get(FORMAT_KEY) if isinstance(state_dict, dict) else type(state_dict).__name__
             raise ValueError(f"optimizer.load_state_dict: expected the dict sharded_state_dict() builds, filled by "
@@ -437,34 +476,57 @@ def install_optimizer_checkpointing(optimizer, chunks) -> None:
         leaf._fsdp_v2_expert_names, leaf._fsdp_v2_expert_dp_rank = chunk.expert_checkpoint_replicas()
         leaf._fsdp_v2_tp_rank = chunk.tensor_parallel_rank()
         leaf._fsdp_v2_slices = chunk.tensor_parallel_slices()
+        leaf._fsdp_v2_mp_rank, leaf._fsdp_v2_buckets, leaf._fsdp_v2_bucket_dtype = chunk.megatron_buffer_layout()
+        leaf._fsdp_v2_dp_size = torch.distributed.get_world_size(chunk.dp_cp_group)
 
 
 # ---------------------------------------------------------------- one call each
-def save_dist_checkpoint(path: "str | os.PathLike", model, optimizer=None) -> None:
+def save_dist_checkpoint(path: "str | os.PathLike", model, optimizer=None, sharding_type: Optional[str] = None) -> None:
     """Write ``{"model": model.sharded_state_dict(), "optimizer": optimizer.sharded_state_dict(...)}``
     with ``dist_checkpointing.save`` into directory ``path`` (created; must be empty), the layout of
     Megatron-LM's ``--ckpt-format torch_dist``, plus the sha256 manifest of its files
-    (``.checksums.json``, checked by ``load_dist_checkpoint``). For loops other than Megatron-LM's."""
+    (``.checksums.json``, checked by ``load_dist_checkpoint``). For loops other than Megatron-LM's.
+    ``sharding_type``: ``None`` writes our optimizer layout (reshards across every parallel size);
+    ``"dp_reshardable"`` / ``"fully_reshardable"`` Megatron DDP + DistributedOptimizer's
+    (distopt_format.py), which Megatron's own ``load_checkpoint`` reads: the way back."""
     from megatron.core import dist_checkpointing
 
     path = os.fspath(path)
     model_sd = model.sharded_state_dict()
     state = {"model": model_sd}
+    metadata = {"distrib_optim_sharding_type": sharding_type} if sharding_type else {}
     if optimizer is not None:
-        state["optimizer"] = optimizer.sharded_state_dict(model_sd)
+        state["optimizer"] = optimizer.sharded_state_dict(model_sd, metadata=metadata)
     if torch.distributed.get_rank() == 0:
         os.makedirs(path, exist_ok=True)
     torch.distributed.barrier()
-    dist_checkpointing.save(state, path)
+    dist_checkpointing.save(state, path, content_metadata=metadata or None)
     write_directory_manifest(path)         # checksums of every shard file and .metadata
 
 
-def _read_as_written(optimizer, path: str) -> None:
-    """Checkpoints of format 1 keep optimizer state under parameter names (``decoder.layers.0...``),
+def read_optimizer_layout(optimizer, path: str) -> None:
+    """Which optimizer layout the checkpoint holds: Megatron DDP + DistributedOptimizer's
+    (``dp_reshardable`` / ``fully_reshardable``, distopt_format.py; a ``dp_reshardable`` one whose
+    buckets do not match this layout is refused on every rank) or ours. Checkpoints of format 1 keep optimizer state under parameter names (``decoder.layers.0...``),
     format 2 under Megatron's stacked keys (``decoder.layers...`` with the layer as an offset): a
     leaf whose stacked parameters appear only under their names in the checkpoint reads format 1
     (written before pipeline parallelism, so at pipeline size 1, where the names are global)."""
-    owners = {k.rsplit(".", 1)[0] for k in SafeFileSystemReader(path).read_metadata().state_dict_metadata}
+    metadata = SafeFileSystemReader(path).read_metadata().state_dict_metadata
+    keys = list(metadata)
+    owners = {k.rsplit(".", 1)[0] for k in keys}
+    source = distopt_format.sharding_type_in_keys(keys)
+    problems = []
+    for leaf in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        leaf._fsdp_v2_source = source
+        dtype = distopt_format.bucket_dtype_in_keys(keys, getattr(leaf, "_fsdp_v2_mp_rank", 0))
+        if dtype is not None:
+            leaf._fsdp_v2_bucket_dtype = dtype
+        if source == distopt_format.DP_RESHARDABLE and hasattr(leaf, "_fsdp_v2_buckets"):
+            problems.append(distopt_format.bucket_mismatch(leaf, metadata))
+    if source == distopt_format.DP_RESHARDABLE:    # the same on every rank: all of them agree here
+        _refuse_on_every_rank(source, [p for p in problems if p])
+    if source is not None:
+        return
     for leaf in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
         slices = getattr(leaf, "_fsdp_v2_slices", None)
         if not slices:
@@ -473,6 +535,18 @@ def _read_as_written(optimizer, path: str) -> None:
         by_key = any(f"optimizer.state.{key}" in owners for _, key in stacked)
         by_name = any(f"optimizer.state.{name}" in owners for name, _ in stacked)
         leaf._fsdp_v2_format = 1 if by_name and not by_key else FORMAT_VERSION
+
+
+def _refuse_on_every_rank(source: Optional[str], problems: list) -> None:
+    """Raise the first rank's reason on every rank when any rank cannot read the checkpoint's
+    optimizer layout (the ranks may differ: each checks its own model-parallel group)."""
+    failed = torch.tensor([1 if problems else 0])
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(failed, op=torch.distributed.ReduceOp.MAX)
+    if failed.item():
+        why = problems[0] if problems else ("another rank's model-parallel group does not match the checkpoint's "
+                                            "buckets")
+        raise ValueError(distopt_format.refusal(source, why))
 
 
 @contextlib.contextmanager
@@ -516,7 +590,7 @@ def load_dist_checkpoint(path: "str | os.PathLike", model, optimizer=None) -> No
     state = {"model": model_sd}
     verify_directory(path)                 # before Megatron reads: a mismatch raises on every rank
     if optimizer is not None:
-        _read_as_written(optimizer, os.fspath(path))
+        read_optimizer_layout(optimizer, os.fspath(path))
         state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=True)
     with safe_dcp_reading():
         loaded = dist_checkpointing.load(state, os.fspath(path))

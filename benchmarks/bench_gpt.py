@@ -117,7 +117,8 @@ def run_system(ctx: Ctx, system: System) -> Dict[str, Any]:
             if ctx.num_params:
                 res["state_bytes_per_param"] = (after_step - baseline) / ctx.num_params
                 exp_bytes = exp["after_step"] * ctx.num_params
-                res["deviation_pct"] = 100.0 * ((after_step - baseline) - exp_bytes) / exp_bytes
+                if exp_bytes:       # a formula of 0 (everything on the host) has no relative deviation
+                    res["deviation_pct"] = 100.0 * ((after_step - baseline) - exp_bytes) / exp_bytes
         if not ctx.is_cuda and ctx.num_params and res.get("accounted_state_gib") is not None:
             exp_bytes = exp["after_step"] * ctx.num_params
             res["deviation_pct"] = 100.0 * (res["accounted_state_gib"] * GIB - exp_bytes) / exp_bytes

@@ -28,8 +28,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
-from megatron_fsdp_v2.checkpoint_integrity import MANIFEST, ChecksummedFileSystemWriter, file_checksum
-from megatron_fsdp_v2.safe_reader import SafeFileSystemReader
+from megatron_fsdp_v2.checkpoint.integrity import MANIFEST, ChecksummedFileSystemWriter, file_checksum
+from megatron_fsdp_v2.checkpoint.safe_reader import SafeFileSystemReader
 
 
 def _state_dict(params: int, device: str) -> dict:

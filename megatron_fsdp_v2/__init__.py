@@ -4,10 +4,9 @@ Public names only; the Megatron adapter lives in ``megatron_fsdp_v2.megatron`` a
 demand, so the core runs with torch alone.
 """
 
-from .checkpoint import (export_full_state_dict, load_checkpoint, load_optimizer_state_dict, optimizer_state_dict,
+from .checkpoint import (CheckpointCorruptError, ChecksummedFileSystemWriter, SafeFileSystemReader, UnsafeCheckpointError,
+                         export_full_state_dict, load_checkpoint, load_optimizer_state_dict, optimizer_state_dict,
                          save_checkpoint)
-from .checkpoint_integrity import CheckpointCorruptError, ChecksummedFileSystemWriter
-from .safe_reader import SafeFileSystemReader, UnsafeCheckpointError
 from .fully_shard import FullyShardedModule, fully_shard
 from .summon import summon_full_params
 from .mixed_precision import MixedPrecisionPolicy

@@ -30,10 +30,19 @@ from __future__ import annotations
 import hashlib
 import os
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
+
+
+class PendingCollective(NamedTuple):
+    """An issued asynchronous collective and what to run once it has completed."""
+
+    work: object                      # torch.distributed Work or None (already complete)
+    on_complete: Callable[[], None]
+
+
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
 

@@ -33,7 +33,8 @@ from torch.autograd import Variable
 
 from .experts import clip_norm_terms
 from .optimizer_hook import watch_optimizer_steps
-from .param_group import ParamGroup, PendingCollective
+from .comm import PendingCollective
+from .param_group import ParamGroup
 from .param_swap import ParamSlots
 from .phase import Phase, PhaseMachine
 from .pre_backward import ForwardRecord, SavedWeightHooks, tensors_needing_grad

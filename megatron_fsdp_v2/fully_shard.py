@@ -17,32 +17,20 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .allocators import Allocator, make_allocator
-from .checkpoint import load_model_state_dict, model_state_dict
-from .comm import Communicator
-from .engine import Engine, Unit
-from .mixed_precision import MixedPrecisionPolicy, full_precision_param_ids, resolve_dtypes
-from .nested import absorb_wrapped_submodules
+from .build_units import build_units, initialize_units_from_meta, prepare_model
+from .checkpoint.state_dict import load_model_state_dict, model_state_dict
+from .engine import Engine
+from .experts import expert_names_refusal
+from .layout import default_alignment  # noqa: F401  (fully_shard.default_alignment, as before)
+from .mixed_precision import MixedPrecisionPolicy
 from .offload import HostLink, OffloadPolicy, choose_offloaded
-from .optimizer_hook import mark_replaced
-from .param_group import ParamGroup
 from .param_swap import ParamSlots
-from .rank_agreement import check_ranks_agree
-from .experts import check_expert_arguments, check_expert_group_inside, expert_names_refusal, expert_param_ids
-from .replicas import split_process_group
-from .row_sharded import mesh_of_group
 from .plan.resolve import AutoStrategy, resolve_auto_strategy
-from .strategy import STRATEGY_NAMES, ShardingStrategy, get_strategy
-from .meta_init import has_meta_state, initialize_meta_model, replace_meta_parameters
+from .rank_agreement import agree_on_wrap
+from .strategy import STRATEGY_NAMES, ShardingStrategy
 from .summon import summon_full_params
-from .units import assign_units, group_specs
-from .wrap_checks import (check_hybrid_groups, check_outer_sharding, check_params, check_process_group,
-                          check_same_model_on_all_ranks, group_device, sync_module_states)
-
-
-def default_alignment(device: torch.device) -> int:
-    """Elements each parameter's offset is rounded up to: 1 on CPU (no padding), 64 on GPUs so
-    every parameter view starts on a 128-byte boundary that vectorised kernels like."""
-    return 64 if device.type == "cuda" else 1
+from .wrap_checks import (check_outer_sharding, check_wrap_arguments, group_device, sync_start_values,
+                          wrap_communicators)
 
 
 class ShardedParameter(NamedTuple):
@@ -266,7 +254,7 @@ class FullyShardedModule:
         takes full tensors too; this name mirrors ``full_state_dict``)."""
         return load_model_state_dict(self, state_dict, strict=strict)
 
-    # -- sharded state dict for torch.distributed.checkpoint (see checkpoint.py) ----------------
+    # -- sharded state dict for torch.distributed.checkpoint (see checkpoint/state_dict.py) ----------------
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
         """Original names and shapes; each rank's values hold only its shard (``FlatRangeShard``
         views of its main weights), so ``dcp.save(model.state_dict(), checkpoint_id=path)`` writes
@@ -295,40 +283,19 @@ class FullyShardedModule:
                 yield name, buffer
 
 
-def _initialize_from_meta(module: nn.Module, units: list, pending: dict, device: torch.device, init_fn) -> None:
-    """Run meta_init's initializers, writing each parameter's values into its group's main weights,
-    then rebuild the compute weights from them."""
-    where = {id(p): (g, i) for unit in units for g in unit.groups for i, p in enumerate(g.params)}
-
-    def write(param, full):
-        group, index = where[id(param)]
-        group.write_main_values(index, full)
-
-    def restore(param):
-        group, index = where[id(param)]
-        group.repoint_param(index)
-
-    initialize_meta_model(module, pending, write, restore, device, init_fn)
-    for unit in units:
-        for group in unit.groups:
-            if not group.strategy.weights_sharded or group.levels is not None:   # ZeRO-3 gathers at use (HFSDP: from its inner shard)
-                group.rebuild_compute_weights(async_op=False)
-                group.wait_refresh()
-
-
-def _auto_strategy(module, options, comm, replicas, expert_comm, outer_sharding_strategy, unit_modules,
-                   mixed_precision, reduce_root_per_child, broadcast_buffers) -> ShardingStrategy:
+def _auto_strategy(module, options, groups, outer_sharding_strategy, unit_modules, mixed_precision,
+                   reduce_root_per_child, broadcast_buffers) -> ShardingStrategy:
     """``sharding_strategy="auto"`` (plan/resolve.py); what the plan does not cover is refused
     before its one collective, on every rank alike."""
     nested = [name for name, m in module.named_modules() if isinstance(m, FullyShardedModule)]
-    refused = (["expert parameters (expert_process_group)"] if expert_comm is not None else []) + \
+    refused = (["expert parameters (expert_process_group)"] if groups.experts is not None else []) + \
         ([f"outer_sharding_strategy={outer_sharding_strategy!r} (HFSDP)"] if outer_sharding_strategy != "no_shard" else []) + \
         ([f"submodules wrapped by earlier fully_shard calls ({nested[:3]})"] if nested else [])
     if refused:
         raise ValueError(f"sharding_strategy='auto' plans flat and hybrid (HSDP) sharding of one fully_shard call; "
                          f"got {', '.join(refused)}: pass one of {list(STRATEGY_NAMES)}.")
-    return resolve_auto_strategy(module, options, comm, replicas, group_device(comm), unit_modules, mixed_precision,
-                                 reduce_root_per_child, broadcast_buffers)
+    return resolve_auto_strategy(module, options, groups.comm, groups.replicas, group_device(groups.comm), unit_modules,
+                                 mixed_precision, reduce_root_per_child, broadcast_buffers)
 
 
 def fully_shard(
@@ -424,150 +391,42 @@ def fully_shard(
     keeping its own ``mixed_precision`` (FSDP2's nesting: wrap the blocks, then the root). Every
     rank starts from rank 0's parameters and buffers.
     """
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}.")
-    if isinstance(module, FullyShardedModule):
-        raise ValueError(f"module: {type(module).__name__} is already wrapped by fully_shard; wrap a module once.")
-    auto = sharding_strategy == "auto"
-    strategy = None if auto else get_strategy(sharding_strategy)
-    if auto_strategy is not None and not auto:
-        raise ValueError(f"auto_strategy is used with sharding_strategy='auto' only, got sharding_strategy="
-                         f"{sharding_strategy!r}; drop one of them.")
-    if auto and not isinstance(auto_strategy, (AutoStrategy, type(None))):
-        raise TypeError(f"auto_strategy must be an AutoStrategy or None, got {type(auto_strategy).__name__}.")
-    if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecisionPolicy):
-        raise TypeError(f"mixed_precision must be a MixedPrecisionPolicy or None, got {type(mixed_precision).__name__}.")
-    if unused_param_grads not in ("none", "zeros"):
-        raise ValueError(f"unused_param_grads must be 'none' or 'zeros', got {unused_param_grads!r}.")
-    if not isinstance(dtensor_params, bool):
-        raise TypeError(f"dtensor_params must be True or False, got {dtensor_params!r}.")
-    if not isinstance(reduce_root_per_child, bool):
-        raise TypeError(f"reduce_root_per_child must be True or False, got {reduce_root_per_child!r}.")
-    if not isinstance(persistent_grads, bool):
-        raise TypeError(f"persistent_grads must be True or False, got {persistent_grads!r}.")
-    if offload is not None and not isinstance(offload, OffloadPolicy):
-        raise TypeError(f"offload must be an OffloadPolicy or None, got {type(offload).__name__}.")
-    if offload is not None and offload.fraction > 0 and process_group is not None and not isinstance(
-            process_group, dist.ProcessGroup):
-        raise ValueError("offload: CPU offload with hybrid sharding (a pair of groups or a 2-D mesh as "
-                         "process_group) is not supported; shard over one group, or pass offload=None.")
-    if init_fn is not None and not callable(init_fn):
-        raise TypeError(f"init_fn must be a callable taking a module, or None, got {type(init_fn).__name__}.")
+    strategy = check_wrap_arguments(
+        module, FullyShardedModule, sharding_strategy=sharding_strategy, auto_strategy=auto_strategy,
+        auto_strategy_type=AutoStrategy, mixed_precision=mixed_precision, policy_type=MixedPrecisionPolicy,
+        unused_param_grads=unused_param_grads, dtensor_params=dtensor_params,
+        reduce_root_per_child=reduce_root_per_child, persistent_grads=persistent_grads, offload=offload,
+        offload_type=OffloadPolicy, process_group=process_group, init_fn=init_fn)
     alloc = make_allocator(allocator)
-    shard_group, replicate_group = split_process_group(process_group)
-    check_expert_arguments(expert_process_group, expert_params, replicate_group is not None)
-    check_process_group(shard_group)
-    comm = Communicator(shard_group)
-    expert_comm = None
-    if expert_process_group is not None:
-        check_process_group(expert_process_group)
-        expert_comm = Communicator(expert_process_group)
-        check_expert_group_inside(expert_comm, comm)
-    replicas = None
-    if replicate_group is not None:
-        check_process_group(replicate_group)
-        replicas = Communicator(replicate_group)
-        check_hybrid_groups(comm, replicas)
-    if auto:
-        strategy = _auto_strategy(module, auto_strategy or AutoStrategy(), comm, replicas, expert_comm,
-                                  outer_sharding_strategy, unit_modules, mixed_precision, reduce_root_per_child,
-                                  broadcast_buffers)
-    world = check_outer_sharding(outer_sharding_strategy, strategy, comm, replicas)
-    # Units (and their policies) of earlier fully_shard calls on submodules: their parameters are
-    # made whole again here, then sharded with the rest.
-    inner_policies = absorb_wrapped_submodules(module, strategy, comm, FullyShardedModule)
-    if inner_policies and replicas is not None:
-        raise ValueError("process_group: nested fully_shard calls with hybrid sharding are not supported; wrap "
-                         "the model once with unit_modules=[...] and the (outer, inner) groups.")
-    from_meta = all(p.is_meta for p in module.parameters()) and has_meta_state(module)
-    experts = expert_param_ids(module, expert_params)
-    if expert_params is not None and not experts:
-        raise ValueError(f"expert_params: selected no parameter of {type(module).__name__} (it is called as "
-                         "expert_params(name, parameter) on every parameter); pass expert_process_group and "
-                         "expert_params only for a model with expert parameters.")
-    if experts and (from_meta or inner_policies):
-        raise ValueError("expert_process_group: expert parameters are supported on a model whose parameters exist "
-                         "and that no earlier fully_shard call wrapped parts of; "
-                         + ("this one is on the meta device (every expert-parallel rank would initialize its "
-                            "experts alike)." if from_meta else "wrap the model once with unit_modules=[...]."))
-    pending = replace_meta_parameters(module, group_device(comm)) if from_meta else {}
-    device = check_params(module)
-    specs = assign_units(module, unit_modules, unit_instances=[m for m, _ in inner_policies])
-    policy_of = {id(m): policy for m, policy in inner_policies}
-    check_same_model_on_all_ranks(module, comm, device)
-    if replicas is not None:
-        check_same_model_on_all_ranks(module, replicas, device)
-    agreed = {
-        "sharding_strategy": strategy.name,
-        "units": ",".join(spec.fqn or "<root>" for spec in specs),
-        "mixed_precision": repr(mixed_precision),
-        "nested unit policies": ",".join(f"{type(m).__name__}:{p!r}" for m, p in inner_policies),
-        "allocator": type(alloc).__name__,
-        "broadcast_buffers": str(bool(broadcast_buffers)),
-        "unused_param_grads": unused_param_grads,
-        "check_for_nan_in_grad": str(bool(check_for_nan_in_grad)),
-        "built on the meta device": str(from_meta),
-        "dtensor_params": str(dtensor_params),
-        "persistent_grads": str(persistent_grads),
-        "outer_sharding_strategy": outer_sharding_strategy,
-        "reduce_root_per_child": str(reduce_root_per_child),
-        "offload": repr(offload),
-        "expert parameters": ",".join(n for n, p in module.named_parameters() if id(p) in experts),
-    }
-    for group_comm in (comm, replicas, expert_comm):
-        if group_comm is not None:
-            check_ranks_agree(group_comm, device, agreed)
-    if not from_meta:        # a meta model is initialized the same on every rank (same RNG state)
-        sync_module_states(module, comm, skip=experts)   # inner groups first: each gets its rank 0's ...
-        if replicas is not None:
-            sync_module_states(module, replicas)   # ... then every replica gets replica 0's: global rank 0's
-        if expert_comm is not None:                 # expert-parallel peers keep their own experts
-            sync_module_states(module, expert_comm, only=experts)
+    groups = wrap_communicators(process_group, expert_process_group, expert_params)
+    if strategy is None:
+        strategy = _auto_strategy(module, auto_strategy or AutoStrategy(), groups, outer_sharding_strategy,
+                                  unit_modules, mixed_precision, reduce_root_per_child, broadcast_buffers)
+    world = check_outer_sharding(outer_sharding_strategy, strategy, groups.comm, groups.replicas)
+    model = prepare_model(module, strategy, groups, expert_params, unit_modules, FullyShardedModule)
+    agree_on_wrap(module, groups, model, strategy, alloc, mixed_precision=mixed_precision,
+                  broadcast_buffers=broadcast_buffers, unused_param_grads=unused_param_grads,
+                  check_for_nan_in_grad=check_for_nan_in_grad, dtensor_params=dtensor_params,
+                  persistent_grads=persistent_grads, outer_sharding_strategy=outer_sharding_strategy,
+                  reduce_root_per_child=reduce_root_per_child, offload=offload)
+    if not model.from_meta:        # a meta model is initialized the same on every rank (same RNG state)
+        sync_start_values(module, groups, model.experts)
+    units = build_units(model, strategy, groups, world, alloc, mixed_precision, dtensor_params, offload,
+                        persistent_grads, reduce_root_per_child)
+    if model.from_meta:
+        initialize_units_from_meta(module, units, model.pending, model.device, init_fn)
+    engine = _install_engine(module, units, strategy, alloc, groups, world, dtensor_params)
+    engine.check_for_nan_in_grad = bool(check_for_nan_in_grad)
+    engine.broadcast_buffers = bool(broadcast_buffers)
+    engine.unused_grads_are_none = unused_param_grads == "none"
+    return module
 
-    alignment = default_alignment(device)
-    shard_comm = world if world is not None else comm   # HFSDP: main weights sharded over the world
-    mesh = mesh_of_group(shard_comm.group, device) if dtensor_params and strategy.optim_sharded else None
-    expert_mesh = (mesh_of_group(expert_comm.group, device)
-                   if expert_comm is not None and dtensor_params and strategy.optim_sharded else None)
-    plans = []                   # per unit: (its policy, its groups' specs), before any buffer exists
-    for spec in specs:
-        policy = policy_of.get(id(spec.module), mixed_precision)
-        plans.append((policy, group_specs(spec, full_precision_param_ids(spec.module, policy), experts,
-                                          reduce_root_per_child)))
-    sizes = [sum(e[2].numel() for e in g.entries)
-             * resolve_dtypes(g.dtype, policy, g.requires_grad, g.full_precision).main.itemsize
-             for policy, gspecs in plans for g in gspecs]
-    to_host = choose_offloaded(sizes, offload.fraction) if offload is not None else frozenset()
-    link = HostLink(device, offload) if to_host else None
-    units: list[Unit] = []
-    for unit_index, (spec, (policy, gspecs)) in enumerate(zip(specs, plans)):
-        groups = []
-        for gspec in gspecs:
-            entries, expert = gspec.entries, gspec.expert
-            group = ParamGroup(gspec.tag, [e[2] for e in entries], [e[0] for e in entries], strategy,
-                               expert_comm if expert else shard_comm,
-                               resolve_dtypes(gspec.dtype, policy, gspec.requires_grad, gspec.full_precision),
-                               alloc, device,
-                               alignment, expert_mesh if expert else mesh,
-                               levels=(comm, replicas) if world is not None else None,
-                               offload=link if sum(len(u.groups) for u in units) + len(groups) in to_host else None)
-            group.all_names = [e[1] for e in entries]
-            group.grads.persistent = persistent_grads
-            group.param_dtype = gspec.dtype
-            groups.append(group)
-            for first_name, _, param in entries:
-                mark_replaced(param, first_name)
-        unit = Unit(unit_index, spec.module, spec.fqn, groups)
-        unit.mixed_precision = policy
-        units.append(unit)
-    if from_meta:
-        _initialize_from_meta(module, units, pending, device, init_fn)
 
-    main_by_param = {}
-    for unit in units:
-        for group in unit.groups:
-            for param, main in zip(group.params, group.main_params):
-                main_by_param[id(param)] = main
+def _install_engine(module: nn.Module, units: list, strategy, alloc, groups, world, dtensor_params: bool) -> Engine:
+    """Swap the module's class for its FullySharded subclass and start the engine's hooks; between
+    steps the module's attributes hold the main parameters (param_swap.py)."""
+    main_by_param = {id(param): main for unit in units for group in unit.groups
+                     for param, main in zip(group.params, group.main_params)}
     main_params = OrderedDict()
     name_order = {}
     for name, param in nn.Module.named_parameters(module, remove_duplicate=False):
@@ -576,18 +435,14 @@ def fully_shard(
             main_params[name] = main_by_param[id(param)]
     for name, _ in nn.Module.named_buffers(module):
         name_order.setdefault(name, len(name_order))
-
     cls = module.__class__
     module.__class__ = type(f"FullySharded{cls.__name__}", (FullyShardedModule, cls), {})
     module._fsdp_main_params = main_params
     module._fsdp_name_order = name_order
-    module._fsdp_engine = Engine(module, units, strategy, alloc, comm, replicas, expert_comm, world)
-    module._fsdp_engine.check_for_nan_in_grad = bool(check_for_nan_in_grad)
-    module._fsdp_engine.broadcast_buffers = bool(broadcast_buffers)
-    module._fsdp_engine.unused_grads_are_none = unused_param_grads == "none"
-    module._fsdp_engine.param_slots = ParamSlots(module, main_by_param, swaps=dtensor_params)
-    module._fsdp_engine.param_slots.hold_main()
-    for group_comm in (comm, replicas, expert_comm, world):
-        if group_comm is not None:
-            group_comm.stats.reset()
-    return module
+    engine = Engine(module, units, strategy, alloc, groups.comm, groups.replicas, groups.experts, world)
+    module._fsdp_engine = engine
+    engine.param_slots = ParamSlots(module, main_by_param, swaps=dtensor_params)
+    engine.param_slots.hold_main()
+    for group_comm in groups.all() + ([world] if world is not None else []):
+        group_comm.stats.reset()
+    return engine

@@ -8,6 +8,7 @@ from typing import Optional
 
 import torch
 
+from .comm import PendingCollective
 from .grad_buffer import GradBuffer
 from .offload import HostLink, OffloadedGroup
 
@@ -79,7 +80,6 @@ class GroupOffload:
                 self.model_weights.copy_(self.main_shard)
             return
         self.offloaded.upload(self.main_shard, self.model_weights, self._version_now())
-        from .param_group import PendingCollective
         self._pending_refresh = PendingCollective(None, self.offloaded.wait_upload)
 
     def host_bytes(self) -> dict:

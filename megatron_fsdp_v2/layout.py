@@ -195,3 +195,9 @@ def _pack_unsplit(numels, alignment: int) -> tuple[list[int], int]:
         offsets.append(cursor)
         cursor += numel
     return offsets, cursor
+
+
+def default_alignment(device) -> int:
+    """Elements each parameter's offset is rounded up to: 1 on CPU (no padding), 64 on GPUs so
+    every parameter view starts on a 128-byte boundary that vectorised kernels like."""
+    return 64 if getattr(device, "type", device) == "cuda" else 1

@@ -19,13 +19,13 @@ this file decides *how*, from the table's booleans.
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.nn as nn
 
 from .allocators.base import Allocator
-from .comm import Communicator
+from .comm import Communicator, PendingCollective
 from .grad_buffer import GradBuffer
 from .group_export import GroupExport
 from .group_offload import GroupOffload
@@ -35,13 +35,6 @@ from .row_sharded import row_sharded
 from .mixed_precision import GroupDtypes
 from .replicas import gather_blocks, reduce_blocks
 from .strategy import ShardingStrategy
-
-
-class PendingCollective(NamedTuple):
-    """An issued asynchronous collective and what to run once it has completed."""
-
-    work: object                      # torch.distributed Work or None (already complete)
-    on_complete: Callable[[], None]
 
 
 def _wait(pending: Optional[PendingCollective]) -> None:

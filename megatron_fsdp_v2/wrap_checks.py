@@ -7,14 +7,16 @@ Each check raises on every rank, naming the argument, so no rank waits alone in 
 from __future__ import annotations
 
 import hashlib
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from .comm import Communicator, all_gather_single
-from .replicas import HFSDP_STRATEGIES
+from .experts import check_expert_arguments, check_expert_group_inside
+from .replicas import HFSDP_STRATEGIES, split_process_group
+from .strategy import get_strategy
 
 __all__ = ["check_hybrid_groups", "check_outer_sharding", "check_params", "check_process_group",
            "check_same_model_on_all_ranks", "group_device", "sync_module_states"]
@@ -167,3 +169,82 @@ def group_device(comm: Communicator) -> torch.device:
     if dist.get_backend(comm.group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+# ---------------------------------------------------------------- fully_shard's first stages
+class WrapGroups(NamedTuple):
+    """The communicators of one wrap: the shard group, the replicas across it (HSDP) and the
+    expert parameters' group, each None where not used."""
+
+    comm: Communicator
+    replicas: Optional[Communicator]
+    experts: Optional[Communicator]
+
+    def all(self) -> list:
+        return [c for c in (self.comm, self.replicas, self.experts) if c is not None]
+
+
+def check_wrap_arguments(module, wrapped_class: type, *, sharding_strategy, auto_strategy, auto_strategy_type: type,
+                         mixed_precision, policy_type: type, unused_param_grads, dtensor_params,
+                         reduce_root_per_child, persistent_grads, offload, offload_type: type, process_group,
+                         init_fn):
+    """The strategy (None for ``"auto"``) after checking every argument's type and value, on every
+    rank alike (local checks only: no collective yet)."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}.")
+    if isinstance(module, wrapped_class):
+        raise ValueError(f"module: {type(module).__name__} is already wrapped by fully_shard; wrap a module once.")
+    auto = sharding_strategy == "auto"
+    strategy = None if auto else get_strategy(sharding_strategy)
+    if auto_strategy is not None and not auto:
+        raise ValueError(f"auto_strategy is used with sharding_strategy='auto' only, got sharding_strategy="
+                         f"{sharding_strategy!r}; drop one of them.")
+    if auto and not isinstance(auto_strategy, (auto_strategy_type, type(None))):
+        raise TypeError(f"auto_strategy must be an AutoStrategy or None, got {type(auto_strategy).__name__}.")
+    if mixed_precision is not None and not isinstance(mixed_precision, policy_type):
+        raise TypeError(f"mixed_precision must be a MixedPrecisionPolicy or None, got {type(mixed_precision).__name__}.")
+    if unused_param_grads not in ("none", "zeros"):
+        raise ValueError(f"unused_param_grads must be 'none' or 'zeros', got {unused_param_grads!r}.")
+    for name, value in (("dtensor_params", dtensor_params), ("reduce_root_per_child", reduce_root_per_child),
+                        ("persistent_grads", persistent_grads)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False, got {value!r}.")
+    if offload is not None and not isinstance(offload, offload_type):
+        raise TypeError(f"offload must be an OffloadPolicy or None, got {type(offload).__name__}.")
+    if offload is not None and offload.fraction > 0 and process_group is not None and not isinstance(
+            process_group, dist.ProcessGroup):
+        raise ValueError("offload: CPU offload with hybrid sharding (a pair of groups or a 2-D mesh as "
+                         "process_group) is not supported; shard over one group, or pass offload=None.")
+    if init_fn is not None and not callable(init_fn):
+        raise TypeError(f"init_fn must be a callable taking a module, or None, got {type(init_fn).__name__}.")
+    return strategy
+
+
+def wrap_communicators(process_group, expert_process_group, expert_params) -> WrapGroups:
+    """Check the groups (and their nesting) and make one Communicator for each."""
+    shard_group, replicate_group = split_process_group(process_group)
+    check_expert_arguments(expert_process_group, expert_params, replicate_group is not None)
+    check_process_group(shard_group)
+    comm = Communicator(shard_group)
+    experts = None
+    if expert_process_group is not None:
+        check_process_group(expert_process_group)
+        experts = Communicator(expert_process_group)
+        check_expert_group_inside(experts, comm)
+    replicas = None
+    if replicate_group is not None:
+        check_process_group(replicate_group)
+        replicas = Communicator(replicate_group)
+        check_hybrid_groups(comm, replicas)
+    return WrapGroups(comm, replicas, experts)
+
+
+def sync_start_values(module: nn.Module, groups: WrapGroups, experts: frozenset) -> None:
+    """Every rank starts from rank 0's parameters and buffers (torch DDP's rule): inner groups
+    first, each from its rank 0, then every replica from replica 0 (so global rank 0's); expert
+    parallel peers keep their own experts and agree on them within the expert group."""
+    sync_module_states(module, groups.comm, skip=experts)
+    if groups.replicas is not None:
+        sync_module_states(module, groups.replicas)
+    if groups.experts is not None:
+        sync_module_states(module, groups.experts, only=experts)

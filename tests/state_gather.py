@@ -14,7 +14,7 @@ def full_optimizer_state(model, optimizer, group=None, group_of=None) -> dict:
     (the ranges are disjoint, so the sum assembles them), or over ``group_of(key)`` where that
     is not None (expert parameters: their expert-data-parallel group). Hyperparameters are left out."""
     from megatron_fsdp_v2.checkpoint import optimizer_state_dict
-    from megatron_fsdp_v2.dcp_format import FlatRangeShard
+    from megatron_fsdp_v2.checkpoint.dcp_format import FlatRangeShard
 
     if not isinstance(optimizer, torch.optim.Optimizer):      # the Megatron adapter's objects
         from megatron_fsdp_v2.megatron import checkpoint_targets

@@ -74,7 +74,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.distributed.data_parallel_base import _BaseDataParallel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from ..checkpoint import model_state_dict
+from ..checkpoint.state_dict import model_state_dict
 from ..fully_shard import fully_shard
 from .meta_init import megatron_init_fn
 from .model_parallel import (TiedEmbeddingGradSum, check_tensor_parallel_peers_share_the_layout, data_parallel_group,
@@ -245,6 +245,42 @@ class WeightRefreshForMegatronOptimizer:
         self._wrapper.module.unshard(async_op=True)
 
 
+def _checked_strategy(config, ddp_config, module: nn.Module, pg_collection, full_param_layout, device,
+                      auto_strategy) -> tuple:
+    """(the strategy to plan or wrap with, whether it is ``auto``) after checking the constructor's
+    arguments and every field of ``ddp_config`` (settings.py), on every rank before any collective."""
+    if not isinstance(ddp_config, DistributedDataParallelConfig):
+        raise TypeError(f"ddp_config must be a DistributedDataParallelConfig, got {type(ddp_config).__name__}.")
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}.")
+    strategy_name = ddp_config.data_parallel_sharding_strategy
+    if strategy_name not in STRATEGY_NAMES + ("auto",):
+        raise ValueError(
+            f"ddp_config.data_parallel_sharding_strategy (--data-parallel-sharding-strategy) must be one of "
+            f"{list(STRATEGY_NAMES) + ['auto']}, got {strategy_name!r}.")
+    if auto_strategy is not None and strategy_name != "auto":
+        raise ValueError(f"auto_strategy is used with data_parallel_sharding_strategy='auto' only, got "
+                         f"{strategy_name!r}.")
+    auto = strategy_name == "auto"
+    # auto: planned with the layer units ZeRO-3 uses (disable_bucketing does not merge them then)
+    strategy = get_strategy("optim_grads_params" if auto else strategy_name,
+                            argument="ddp_config.data_parallel_sharding_strategy")
+    if full_param_layout is not None:
+        raise ValueError("full_param_layout: pre-computed Megatron DDP buffer layouts do not apply to "
+                         "FullyShardedDataParallel; pass None.")
+    if device is not None:
+        want = torch.device(device)
+        elsewhere = sorted({str(p.device) for p in module.parameters()
+                            if p.device.type != want.type or want.index not in (None, p.device.index)})
+        if elsewhere:
+            raise ValueError(f"device={device}: module parameters are on {elsewhere}; move the module "
+                             "before wrapping it.")
+    # every field of ddp_config: honoured, refused (raised here, on every rank) or warned once
+    check_ddp_config(ddp_config, config, _unsupported_settings(config, ddp_config, module,
+                                                               _parallel_sizes(pg_collection)))
+    return strategy, auto
+
+
 class FullyShardedDataParallel(DistributedDataParallel):
     """Megatron-Core data-parallel wrapper running on megatron_fsdp_v2 (see the module docstring).
 
@@ -278,35 +314,8 @@ class FullyShardedDataParallel(DistributedDataParallel):
         device: Optional[torch.device] = None,
         auto_strategy: Optional[AutoStrategy] = None,
     ):
-        if not isinstance(ddp_config, DistributedDataParallelConfig):
-            raise TypeError(f"ddp_config must be a DistributedDataParallelConfig, got {type(ddp_config).__name__}.")
-        if not isinstance(module, nn.Module):
-            raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}.")
-        strategy_name = ddp_config.data_parallel_sharding_strategy
-        if strategy_name not in STRATEGY_NAMES + ("auto",):
-            raise ValueError(
-                f"ddp_config.data_parallel_sharding_strategy (--data-parallel-sharding-strategy) must be one of "
-                f"{list(STRATEGY_NAMES) + ['auto']}, got {strategy_name!r}.")
-        if auto_strategy is not None and strategy_name != "auto":
-            raise ValueError(f"auto_strategy is used with data_parallel_sharding_strategy='auto' only, got "
-                             f"{strategy_name!r}.")
-        auto = strategy_name == "auto"
-        # auto: planned with the layer units ZeRO-3 uses (disable_bucketing does not merge them then)
-        strategy = get_strategy("optim_grads_params" if auto else strategy_name,
-                                argument="ddp_config.data_parallel_sharding_strategy")
-        if full_param_layout is not None:
-            raise ValueError("full_param_layout: pre-computed Megatron DDP buffer layouts do not apply to "
-                             "FullyShardedDataParallel; pass None.")
-        if device is not None:
-            want = torch.device(device)
-            elsewhere = sorted({str(p.device) for p in module.parameters()
-                                if p.device.type != want.type or want.index not in (None, p.device.index)})
-            if elsewhere:
-                raise ValueError(f"device={device}: module parameters are on {elsewhere}; move the module "
-                                 "before wrapping it.")
-        # every field of ddp_config: honoured, refused (raised here, on every rank) or warned once
-        check_ddp_config(ddp_config, config, _unsupported_settings(config, ddp_config, module,
-                                                                   _parallel_sizes(pg_collection)))
+        strategy, auto = _checked_strategy(config, ddp_config, module, pg_collection, full_param_layout, device,
+                                           auto_strategy)
         dp_group = data_parallel_group(pg_collection)
         # --num-distributed-optimizer-instances N: hybrid sharding, each instance shards within
         # its ranks (Megatron's intra group) and the instances average gradients (replicas.py)
@@ -359,17 +368,7 @@ class FullyShardedDataParallel(DistributedDataParallel):
         self._tied_embedding = TiedEmbeddingGradSum.across_stages(tied_name, pg_collection,
                                                                   module.sharded_parameters(), shard_group)
         self.pg_collection = pg_collection
-        # Megatron DDP bookkeeping that training.py / the optimizer may iterate: always empty here.
-        self.bucket_size = None
-        self.buffers = []
-        self.expert_parallel_buffers = []
-        self.bucket_groups = []
-        self.expert_parallel_bucket_groups = []
-        self.param_to_bucket_group = {}
-        self.params_with_grad = []
-        self.remove_forward_pre_hook_handles = {}
-        self.force_all_reduce = False
-        self.overlap_param_gather_with_optimizer_step = False
+        self._empty_megatron_ddp_bookkeeping()
         self.param_and_grad_buffer = WeightRefreshForMegatronOptimizer(self)
         # Without overlap_grad_reduce Megatron installs no no_sync_func: accumulate locally and
         # reduce once in finish_grad_sync (ZeRO-2/3 still reduce-scatter every micro-batch).
@@ -388,6 +387,20 @@ class FullyShardedDataParallel(DistributedDataParallel):
                     strategy.name, dist.get_world_size(shard_group), len(units or ()) + 1, policy)
 
     # ------------------------------------------------------------------ construction helpers
+    def _empty_megatron_ddp_bookkeeping(self) -> None:
+        """Megatron DDP's bucket bookkeeping, which training.py and the optimizer may iterate:
+        always empty here (communication is per unit, not per bucket)."""
+        self.bucket_size = None
+        self.buffers = []
+        self.expert_parallel_buffers = []
+        self.bucket_groups = []
+        self.expert_parallel_bucket_groups = []
+        self.param_to_bucket_group = {}
+        self.params_with_grad = []
+        self.remove_forward_pre_hook_handles = {}
+        self.force_all_reduce = False
+        self.overlap_param_gather_with_optimizer_step = False
+
     def checkpoint_replica_ranks(self) -> tuple:
         """(data-parallel rank, instance rank): the data-parallel element of the replica ids of
         a replicated value and of a shard (the instances hold the same shards)."""

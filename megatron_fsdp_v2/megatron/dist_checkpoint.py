@@ -21,7 +21,7 @@ are stacked under one key (``decoder.layers.mlp.linear_fc1.weight``, global shap
 
 * a ``FlatRangeShard`` (one rank's flat range of a parameter or of its per-element optimizer state)
   -> ``{"box0": ShardedTensor, "box1": ...}``, one ShardedTensor per box of the range
-  (dcp_format.py, [Note: flat ranges as DCP chunks]), shaped ``(1, *box)`` under a stacked key, with
+  (checkpoint/dcp_format.py, [Note: flat ranges as DCP chunks]), shaped ``(1, *box)`` under a stacked key, with
   ``axis_fragmentations=None``: Megatron's uneven sharding, which it hands to DCP chunk by chunk.
   The data are views of the main weights / optimizer state. A rank that owns no element of a
   tensor leaves its key out: Megatron saves rank 0's non-tensor leftovers (an empty dict or list
@@ -63,11 +63,12 @@ import torch
 
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
-from ..checkpoint import CLASS_KEY, load_optimizer_state_dict, model_state_dict, optimizer_state_dict
-from ..checkpoint_integrity import verify_directory, write_directory_manifest
-from ..dcp_format import FlatRangeShard
-from ..safe_reader import SafeFileSystemReader
+from ..checkpoint.dcp_format import FlatRangeShard
+from ..checkpoint.integrity import verify_directory, write_directory_manifest
+from ..checkpoint.safe_reader import SafeFileSystemReader
+from ..checkpoint.state_dict import CLASS_KEY, load_optimizer_state_dict, model_state_dict, optimizer_state_dict
 from . import distopt_format
+from .loaded_values import from_loaded
 
 __all__ = ["FORMAT_KEY", "Placement", "ShardedModelCheckpoint", "ShardedOptimizerCheckpoint", "from_loaded",
            "install_model_checkpointing", "install_optimizer_checkpointing", "load_dist_checkpoint",
@@ -80,14 +81,6 @@ logger = logging.getLogger(__name__)
 #: Marks an optimizer sharded state dict as ours; its value is the format version.
 FORMAT_KEY = "megatron_fsdp_v2_format"
 FORMAT_VERSION = 2      # 2: optimizer state under Megatron's (stacked) parameter keys; 1: parameter names
-
-
-def _describe(value) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"a tensor of shape {tuple(value.shape)}"
-    if isinstance(value, dict):
-        return f"a dict with keys {sorted(map(str, value))[:8]}"
-    return type(value).__name__
 
 
 class Placement(NamedTuple):
@@ -191,31 +184,6 @@ def megatron_layout(module: torch.nn.Module) -> MegatronLayout:
         placements[name] = Placement(entry.key, tuple(entry.global_offset[:lead]), tuple(entry.global_shape[:lead]),
                                      offsets, whole, entry.replica_id)
     return MegatronLayout(placements, extras)
-
-
-def from_loaded(key: str, template: torch.Tensor, loaded) -> torch.Tensor:
-    """What ``dist_checkpointing.load`` returned for ``to_sharded(key, template)`` -> a value of the
-    template's kind (this rank's ``FlatRangeShard``, or a tensor of the template's shape)."""
-    if isinstance(template, FlatRangeShard):
-        count = len(template.boxes)
-        if count == 0:
-            local = template.local_flat.new_empty(0)
-        elif isinstance(loaded, dict) and all(f"box{i}" in loaded for i in range(count)):
-            boxes = [loaded[f"box{i}"] for i in range(count)]
-            if all(box.data_ptr() == piece.data_ptr() and box.numel() == piece.numel()
-                   for box, (_, _, piece) in zip(boxes, template.pieces())):
-                return template     # dist_checkpointing.load filled the template's own views in place
-            local = torch.cat([box.reshape(-1) for box in boxes])
-        else:
-            raise ValueError(f"{key}: expected this rank's {count} boxes {{'box0': tensor, ...}}, as "
-                             f"dist_checkpointing.load returns them for sharded_state_dict(), got {_describe(loaded)}.")
-        if local.numel() != template.local_flat.numel():
-            raise ValueError(f"{key}: the loaded boxes hold {local.numel()} elements, this rank owns "
-                             f"{template.local_flat.numel()}; load with this model's own sharded_state_dict().")
-        return FlatRangeShard(template.shape, local.to(template.dtype), template.flat_start)
-    if isinstance(loaded, torch.Tensor) and loaded.numel() == template.numel():
-        return loaded.reshape(template.shape)
-    raise ValueError(f"{key}: expected a tensor of shape {tuple(template.shape)}, got {_describe(loaded)}.")
 
 
 def holds_nothing(template) -> bool:
@@ -552,7 +520,7 @@ def _refuse_on_every_rank(source: Optional[str], problems: list) -> None:
 @contextlib.contextmanager
 def safe_dcp_reading():
     """Within it, Megatron's ``dist_checkpointing`` reads DCP files through ``SafeFileSystemReader``
-    (safe_reader.py): its own reader unpickles ``.metadata`` with plain pickle, and its common state
+    (checkpoint/safe_reader.py): its own reader unpickles ``.metadata`` with plain pickle, and its common state
     and ShardedObjects (DCP byte entries) with ``torch.load(weights_only=False)``, both through the
     reader its ``_get_filesystem_reader`` returns (megatron-core 0.19). Megatron's common state holds
     only tensors, numbers, strings and containers here, which torch's weights-only allow-list

@@ -41,7 +41,8 @@ import torch
 
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
-from ..dcp_format import FlatRangeShard
+from ..checkpoint.dcp_format import FlatRangeShard
+from .loaded_values import from_loaded
 
 __all__ = ["DP_RESHARDABLE", "FULLY_RESHARDABLE", "MEGATRON_TYPES", "RESHARDABLE_OPTION", "BucketSlot",
            "bucket_mismatch", "bucket_offsets", "loading_requests", "megatron_bucket_size", "refusal",
@@ -266,7 +267,6 @@ def values_from_loaded(leaf, state_dict: dict, templates: dict) -> dict:
 
 
 def _as_template(key: str, template, loaded, leaf):
-    from .dist_checkpoint import from_loaded
 
     if isinstance(loaded, dict):                        # model-space boxes
         return from_loaded(key, template, loaded)

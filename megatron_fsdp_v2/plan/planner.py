@@ -12,6 +12,7 @@ from typing import Optional, Sequence, Union
 import torch
 import torch.nn as nn
 
+from ..layout import default_alignment
 from ..mixed_precision import MixedPrecisionPolicy
 from ..strategy import STRATEGY_NAMES, ShardingStrategy, get_strategy
 from .auto import choose
@@ -44,11 +45,9 @@ def _shapes(world_size: int, hybrid_shape) -> list:
 
 
 def _check(module, optimizer, micro_batches, mixed_precision) -> None:
-    from ..fully_shard import FullyShardedModule
-
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}.")
-    if isinstance(module, FullyShardedModule):
+    if getattr(module, "_fsdp_engine", None) is not None:     # wrapped by fully_shard already
         raise ValueError("module: plan takes the model before fully_shard wraps it (a meta-device copy is enough).")
     if optimizer not in OPTIMIZER_STATE_COPIES:
         raise ValueError(f"optimizer must be one of {list(OPTIMIZER_STATE_COPIES)}, got {optimizer!r}.")
@@ -71,7 +70,6 @@ def plan_candidates(module: nn.Module, strategies, world_size: int, hybrid_shape
                     optimizer: str, micro_batches: int, unit_modules, device: str,
                     reduce_root_per_child: bool, broadcast_buffers: bool) -> list[StrategyPlan]:
     """One ``StrategyPlan`` per (hybrid shape, strategy), in that order."""
-    from ..fully_shard import default_alignment
 
     _check(module, optimizer, micro_batches, mixed_precision)
     if isinstance(strategies, (str, ShardingStrategy)):

@@ -17,7 +17,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from megatron_fsdp_v2 import (STRATEGY_NAMES, ChecksummedFileSystemWriter, MixedPrecisionPolicy, SafeFileSystemReader,
                               export_full_state_dict, fully_shard, load_checkpoint, load_optimizer_state_dict,
                               optimizer_state_dict, save_checkpoint)
-from megatron_fsdp_v2.dcp_format import flat_range_boxes
+from megatron_fsdp_v2.checkpoint.dcp_format import flat_range_boxes
 
 from .checkpoint_helpers import distributed_fixture, run_parts, snapshot
 from .dist_utils import run_distributed

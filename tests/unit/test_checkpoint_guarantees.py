@@ -26,8 +26,8 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from megatron_fsdp_v2 import (SafeFileSystemReader, fully_shard, load_checkpoint, load_optimizer_state_dict,
                               optimizer_state_dict, save_checkpoint)
-from megatron_fsdp_v2 import checkpoint_commit
-from megatron_fsdp_v2.dcp_format import FlatRangeShard
+from megatron_fsdp_v2.checkpoint import commit as checkpoint_commit
+from megatron_fsdp_v2.checkpoint.dcp_format import FlatRangeShard
 from megatron_fsdp_v2.row_sharded import local_piece
 
 from .checkpoint_helpers import distributed_fixture, failure, run_parts, snapshot
@@ -138,7 +138,7 @@ NEWEST_COMPLETE = {"writing": "A", "written": "B", "between_renames": "B", "dele
 
 def _leave_crash_state(point, path, newer):
     """Rank 0: turn (``path`` = checkpoint A, ``newer`` = a complete save of B) into what a crash of
-    the save of B at ``point`` leaves on disk (checkpoint_commit.py, [Note: committing a checkpoint
+    the save of B at ``point`` leaves on disk (checkpoint/commit.py, [Note: committing a checkpoint
     directory])."""
     tmp, old = path + ".tmp", path + ".old"
     if point == "writing":                   # some shard files written, no .metadata, no manifest

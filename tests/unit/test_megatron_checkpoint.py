@@ -403,7 +403,7 @@ def test_launcher_rejects_other_checkpoint_formats(ckpt_format):
 
 
 def test_flat_ranges_become_box_sharded_tensors_and_back():
-    from megatron_fsdp_v2.dcp_format import FlatRangeShard
+    from megatron_fsdp_v2.checkpoint.dcp_format import FlatRangeShard
     from megatron_fsdp_v2.megatron.dist_checkpoint import from_loaded, to_sharded
 
     full = torch.arange(15.0).view(3, 5)

@@ -34,10 +34,13 @@ SAVED_ITERS, MORE_ITERS, NMB, MBS, SEQ, VOCAB = 2, 2, 2, 2, 16, 64
 DATA_SEED = 500
 
 
-def _opt_config():
+def _opt_config(strategy: str = "optim"):
+    """Megatron's optimizer config as the source run used it; for our ``no_shard``, without the
+    distributed optimizer (the settings table refuses it there: Megatron's DDP + distributed
+    optimizer is our ``optim``)."""
     from tests.unit.test_megatron_adapter import LR_ADAM, _opt_config
 
-    return _opt_config("adam", LR_ADAM, use_distributed_optimizer=True)
+    return _opt_config("adam", LR_ADAM, use_distributed_optimizer=strategy != "no_shard")
 
 
 def _iterate(ddp, config, optimizer, batches):
@@ -151,7 +154,7 @@ def load_worker(rank, world_size, base, tp, cases, saving_dp):
                 model, config = build_tiny_gpt(77, vocab=VOCAB, seq=SEQ, tensor_model_parallel_size=tp)
                 wrapper = FullyShardedDataParallel(
                     config, DistributedDataParallelConfig(data_parallel_sharding_strategy=strategy), model)
-                optimizer = get_optimizer(_opt_config(), [wrapper])
+                optimizer = get_optimizer(_opt_config(wrapper.strategy.name), [wrapper])
                 load_dist_checkpoint(os.path.join(base, f"{kind}_tp{tp}"), wrapper, optimizer)
                 ours, steps = _our_state_in_megatron_keys(wrapper, optimizer)
                 unequal = sorted(k for (k, index), v in ours.items() if not torch.equal(plain[k][index], v))
@@ -182,7 +185,7 @@ def refusal_worker(rank, world_size, base):
             model, config = build_tiny_gpt(77, vocab=VOCAB, seq=SEQ)
             wrapper = FullyShardedDataParallel(
                 config, DistributedDataParallelConfig(data_parallel_sharding_strategy="optim"), model)
-            optimizer = get_optimizer(_opt_config(), [wrapper])
+            optimizer = get_optimizer(_opt_config(wrapper.strategy.name), [wrapper])
             try:
                 load_dist_checkpoint(os.path.join(base, "dp_reshardable_tp2"), wrapper, optimizer)
             except ValueError as exc:
@@ -261,7 +264,7 @@ def our_save_worker(rank, world_size, base, cases):
                 model, config = build_tiny_gpt(1234, vocab=VOCAB, seq=SEQ)
                 wrapper = FullyShardedDataParallel(
                     config, DistributedDataParallelConfig(data_parallel_sharding_strategy=strategy), model)
-                optimizer = get_optimizer(_opt_config(), [wrapper])
+                optimizer = get_optimizer(_opt_config(wrapper.strategy.name), [wrapper])
                 _iterate(wrapper, config, optimizer, _batches(dp_rank, 0, SAVED_ITERS * NMB))
                 save_dist_checkpoint(os.path.join(base, f"ours_{kind}_{strategy}"), wrapper, optimizer, kind)
                 save_dist_checkpoint(os.path.join(base, f"ours_ref_{kind}_{strategy}"), wrapper, optimizer,
@@ -389,7 +392,7 @@ def launcher_resume_worker(rank, world_size, base, fully):
             ours, config = build_tiny_gpt(77, vocab=VOCAB, seq=SEQ)
             wrapper = FullyShardedDataParallel(
                 config, DistributedDataParallelConfig(data_parallel_sharding_strategy="optim_grads"), ours)
-            our_optimizer = get_optimizer(_opt_config(), [wrapper])
+            our_optimizer = get_optimizer(_opt_config(wrapper.strategy.name), [wrapper])
             with use_fully_sharded_data_parallel():
                 iteration, _ = training.load_checkpoint([wrapper], our_optimizer, None)
             state, steps = _our_state_in_megatron_keys(wrapper, our_optimizer)

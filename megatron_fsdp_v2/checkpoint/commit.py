@@ -1,7 +1,7 @@
 """How ``save_checkpoint`` puts a new checkpoint directory in place of the last one so that a
 crash at any point of the save (write, rename, delete) leaves the newest complete checkpoint
 loadable, and how the next load finds it and the next save tidies up. File-system steps only; the
-collectives around them are in checkpoint.py.
+collectives around them are in save_load.py.
 
 [Note: committing a checkpoint directory]
 Three directories, and what makes one complete:
@@ -9,7 +9,7 @@ Three directories, and what makes one complete:
     path       the committed checkpoint
     path.tmp   the save in progress. It is complete once its ``.checksums.json`` exists: the
                manifest is written last, after DCP's ``.metadata``, which DCP writes only when
-               every rank's files are written and fsynced (checkpoint_integrity.py).
+               every rank's files are written and fsynced (integrity.py).
     path.old   the previous checkpoint while ``path.tmp`` takes its place
 
 A save: ``recover`` (rank 0), every rank writes ``path.tmp``, then ``commit`` (rank 0):
@@ -37,7 +37,7 @@ import os
 import shutil
 import warnings
 
-from .checkpoint_integrity import MANIFEST, has_manifest
+from .integrity import MANIFEST, has_manifest
 
 __all__ = ["commit", "newest_complete", "recover", "remove", "tmp_dir"]
 

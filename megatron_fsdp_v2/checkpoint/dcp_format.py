@@ -1,5 +1,5 @@
 """How one rank's piece of a flat-sharded tensor looks to torch.distributed.checkpoint (DCP). Pure
-torch: no engine here. (Reading DCP files safely: safe_reader.py; checksums: checkpoint_integrity.py.)
+torch: no engine here. (Reading DCP files safely: safe_reader.py; checksums: integrity.py.)
 
 [Note: flat ranges as DCP chunks]
 A rank's main-weight shard of a parameter is a contiguous range of the parameter's row-major

@@ -28,7 +28,7 @@ checked in ``prepare_local_plan``. DCP runs that on every rank inside its planni
 before any tensor is read, and re-raises a failure of any rank on every rank (as a
 ``CheckpointException``). So a corrupt file stops the load everywhere before the state dict is
 touched. A file is checked once per reader (``reset`` forgets). With ``.checksums.json``
-(checkpoint_integrity.py), each file's size and sha256 must match it. Without one (a checkpoint
+(integrity.py), each file's size and sha256 must match it. Without one (a checkpoint
 written by a plain ``FileSystemWriter``), each file must at least be long enough for the data
 ``.metadata`` places in it. ``require_checksums=True`` refuses a checkpoint without a manifest.
 Either way, a failure raises ``CheckpointCorruptError`` naming the file, the rank that found it
@@ -51,14 +51,10 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.futures import Future
 
-from .checkpoint_integrity import MANIFEST, CheckpointCorruptError, corrupt, read_manifest, verify_file
+from .errors import CheckpointCorruptError, UnsafeCheckpointError, corrupt
+from .integrity import MANIFEST, read_manifest, verify_file
 
 __all__ = ["SafeFileSystemReader", "TensorsOnlyLoadPlanner", "UnsafeCheckpointError"]
-
-
-class UnsafeCheckpointError(ValueError):
-    """A checkpoint asks to unpickle something outside torch's weights-only allow-list (or
-    pickled bytes where a tensor belongs); nothing of it was unpickled."""
 
 
 class _RefusedGlobal(pickle.UnpicklingError):

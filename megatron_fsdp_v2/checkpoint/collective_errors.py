@@ -17,8 +17,7 @@ from typing import Optional, Sequence
 
 import torch.distributed as dist
 
-from .checkpoint_integrity import CheckpointCorruptError
-from .safe_reader import UnsafeCheckpointError
+from .errors import CheckpointCorruptError, UnsafeCheckpointError
 
 __all__ = ["gather_reports", "raise_on_every_rank", "raise_reported"]
 

@@ -13,7 +13,7 @@ and hands the digests to the coordinator inside its write results, under an inde
 uses. The coordinator's ``finish`` takes them out again (``.metadata`` stays exactly DCP's), lets
 DCP write ``.metadata``, hashes it and writes the manifest last: temporary file, fsync, rename,
 fsync of the directory. DCP runs ``finish`` only after every rank's files are written and fsynced,
-so **a directory with a manifest is a complete checkpoint**; checkpoint_commit.py builds its
+so **a directory with a manifest is a complete checkpoint**; commit.py builds its
 crash recovery on that.
 
 The manifest is JSON: reading it cannot run code. ``SafeFileSystemReader`` (safe_reader.py) checks
@@ -37,6 +37,9 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from .collective_errors import raise_on_every_rank
+from .errors import CheckpointCorruptError, corrupt, this_rank
+
 __all__ = ["ALGORITHM", "MANIFEST", "METADATA_FILE", "CheckpointCorruptError", "ChecksummedFileSystemWriter",
            "bytes_checksum", "corrupt", "file_checksum", "has_manifest", "read_manifest", "this_rank", "verify_directory",
            "verify_file", "write_directory_manifest"]
@@ -47,22 +50,6 @@ ALGORITHM = "sha256"
 FORMAT = 1
 _CHUNK = 8 << 20
 _DIGESTS_FQN = "\x00megatron_fsdp_v2 file checksums"   # a write-result index no state-dict key can equal
-
-
-class CheckpointCorruptError(ValueError):
-    """A checkpoint file is truncated or corrupt (a size or checksum that does not match what the
-    save wrote, or content that does not parse)."""
-
-
-def this_rank() -> int:
-    """The global rank named in error messages (0 without a process group)."""
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def corrupt(path, why: str) -> CheckpointCorruptError:
-    """The error for a file that is not what the save wrote: names the file and the rank that found it."""
-    return CheckpointCorruptError(f"checkpoint file {os.fspath(path)!r} is truncated or corrupt (found on rank "
-                                  f"{this_rank()}): {why}.")
 
 
 def file_checksum(path) -> dict:
@@ -175,7 +162,6 @@ def verify_directory(directory, group=None) -> None:
     reads are not collective-safe (Megatron's load exchanges what one rank read with
     broadcasts, so an error on one rank alone would leave the others waiting). No manifest: nothing
     to check."""
-    from .collective_errors import raise_on_every_rank
 
     directory = os.fspath(directory)
     error = None

@@ -1,0 +1,144 @@
+"""The stages of ``fully_shard`` between its checks and the engine: find what the model is made of
+(``prepare_model``: nested wraps absorbed, meta parameters, experts, units), then build every
+unit's parameter groups, i.e. its buffers (``build_units``), and fill them from meta
+(``initialize_units_from_meta``).
+
+Each group's placement (host or device, offload.py) is chosen from the groups' sizes before any
+buffer exists, so an offloaded group's main weights are built on the host directly.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+import torch.nn as nn
+
+from .engine import Unit
+from .experts import expert_param_ids
+from .layout import default_alignment
+from .meta_init import has_meta_state, initialize_meta_model, replace_meta_parameters
+from .mixed_precision import full_precision_param_ids, resolve_dtypes
+from .nested import absorb_wrapped_submodules
+from .offload import HostLink, choose_offloaded
+from .optimizer_hook import mark_replaced
+from .param_group import ParamGroup
+from .row_sharded import mesh_of_group
+from .units import assign_units, group_specs
+from .wrap_checks import WrapGroups, check_params, group_device
+
+__all__ = ["PreparedModel", "build_units", "initialize_units_from_meta", "prepare_model"]
+
+
+class PreparedModel(NamedTuple):
+    """What ``fully_shard`` learned of the model before sharding it."""
+
+    specs: list                    # units.UnitSpec per unit, the root first
+    inner_policies: list           # (unit module, its mixed-precision policy) of earlier fully_shard calls
+    experts: frozenset             # ids of expert parameters
+    from_meta: bool
+    pending: dict                  # meta_init's record of the meta parameters replaced
+    device: torch.device
+
+
+def prepare_model(module: nn.Module, strategy, groups: WrapGroups, expert_params, unit_modules,
+                  wrapped_class: type) -> PreparedModel:
+    """Absorb nested wraps, replace meta parameters, select experts and assign units."""
+    inner_policies = absorb_wrapped_submodules(module, strategy, groups.comm, wrapped_class)
+    if inner_policies and groups.replicas is not None:
+        raise ValueError("process_group: nested fully_shard calls with hybrid sharding are not supported; wrap "
+                         "the model once with unit_modules=[...] and the (outer, inner) groups.")
+    from_meta = all(p.is_meta for p in module.parameters()) and has_meta_state(module)
+    experts = expert_param_ids(module, expert_params)
+    if expert_params is not None and not experts:
+        raise ValueError(f"expert_params: selected no parameter of {type(module).__name__} (it is called as "
+                         "expert_params(name, parameter) on every parameter); pass expert_process_group and "
+                         "expert_params only for a model with expert parameters.")
+    if experts and (from_meta or inner_policies):
+        raise ValueError("expert_process_group: expert parameters are supported on a model whose parameters exist "
+                         "and that no earlier fully_shard call wrapped parts of; "
+                         + ("this one is on the meta device (every expert-parallel rank would initialize its "
+                            "experts alike)." if from_meta else "wrap the model once with unit_modules=[...]."))
+    pending = replace_meta_parameters(module, group_device(groups.comm)) if from_meta else {}
+    device = check_params(module)
+    specs = assign_units(module, unit_modules, unit_instances=[m for m, _ in inner_policies])
+    return PreparedModel(specs, inner_policies, frozenset(experts), from_meta, pending, device)
+
+
+def build_units(model: PreparedModel, strategy, groups: WrapGroups, world, allocator, mixed_precision,
+                dtensor_params: bool, offload, persistent_grads: bool, reduce_root_per_child: bool) -> list[Unit]:
+    """Every unit with its ParamGroups (buffers laid out, main parameters made), the root first."""
+    device = model.device
+    shard_comm = world if world is not None else groups.comm   # HFSDP: main weights sharded over the world
+    mesh = mesh_of_group(shard_comm.group, device) if dtensor_params and strategy.optim_sharded else None
+    expert_mesh = (mesh_of_group(groups.experts.group, device)
+                   if groups.experts is not None and dtensor_params and strategy.optim_sharded else None)
+    plans = _group_plans(model, mixed_precision, reduce_root_per_child)
+    to_host, link = _offload_choice(plans, offload, device)
+    units: list[Unit] = []
+    index = 0                                     # the group's position in the whole model
+    for unit_index, (spec, (policy, gspecs)) in enumerate(zip(model.specs, plans)):
+        unit_groups = []
+        for gspec in gspecs:
+            entries = gspec.entries
+            group = ParamGroup(gspec.tag, [e[2] for e in entries], [e[0] for e in entries], strategy,
+                               groups.experts if gspec.expert else shard_comm,
+                               resolve_dtypes(gspec.dtype, policy, gspec.requires_grad, gspec.full_precision),
+                               allocator, device, default_alignment(device), expert_mesh if gspec.expert else mesh,
+                               levels=(groups.comm, groups.replicas) if world is not None else None,
+                               offload=link if index in to_host else None)
+            group.all_names = [e[1] for e in entries]
+            group.grads.persistent = persistent_grads
+            group.param_dtype = gspec.dtype
+            unit_groups.append(group)
+            index += 1
+            for first_name, _, param in entries:
+                mark_replaced(param, first_name)
+        unit = Unit(unit_index, spec.module, spec.fqn, unit_groups)
+        unit.mixed_precision = policy
+        units.append(unit)
+    return units
+
+
+def _group_plans(model: PreparedModel, mixed_precision, reduce_root_per_child: bool) -> list:
+    """Per unit: (its policy, its groups' specs), before any buffer exists."""
+    policy_of = {id(m): policy for m, policy in model.inner_policies}
+    plans = []
+    for spec in model.specs:
+        policy = policy_of.get(id(spec.module), mixed_precision)
+        plans.append((policy, group_specs(spec, full_precision_param_ids(spec.module, policy), model.experts,
+                                          reduce_root_per_child)))
+    return plans
+
+
+def _offload_choice(plans: list, offload, device: torch.device) -> tuple[frozenset, Optional[HostLink]]:
+    """(positions of the groups whose main weights live on the host, the link they share)."""
+    if offload is None:
+        return frozenset(), None
+    sizes = [sum(e[2].numel() for e in g.entries)
+             * resolve_dtypes(g.dtype, policy, g.requires_grad, g.full_precision).main.itemsize
+             for policy, gspecs in plans for g in gspecs]
+    to_host = choose_offloaded(sizes, offload.fraction)
+    return to_host, (HostLink(device, offload) if to_host else None)
+
+
+def initialize_units_from_meta(module: nn.Module, units: list, pending: dict, device: torch.device,
+                               init_fn) -> None:
+    """Run meta_init's initializers, writing each parameter's values into its group's main weights,
+    then rebuild the compute weights from them."""
+    where = {id(p): (g, i) for unit in units for g in unit.groups for i, p in enumerate(g.params)}
+
+    def write(param, full):
+        group, index = where[id(param)]
+        group.write_main_values(index, full)
+
+    def restore(param):
+        group, index = where[id(param)]
+        group.repoint_param(index)
+
+    initialize_meta_model(module, pending, write, restore, device, init_fn)
+    for unit in units:
+        for group in unit.groups:
+            if not group.strategy.weights_sharded or group.levels is not None:   # ZeRO-3 gathers at use (HFSDP: from its inner shard)
+                group.rebuild_compute_weights(async_op=False)
+                group.wait_refresh()

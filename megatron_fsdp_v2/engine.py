@@ -130,7 +130,10 @@ class Engine:
         self.forward_order = ForwardOrder()
         self.main_grads_attached = False         # optimizer-facing .grad point at reduced gradients
         self.check_for_nan_in_grad = False
-        self.broadcast_buffers = True            # DDP's default: rank 0's buffers at every training forward
+        self.broadcast_buffers = True            # DDP's default: rank 0's buffers before forwards (see below)
+        # torch DDP's require_forward_param_sync: the next forward broadcasts the buffers (the first
+        # one, and any after a grad-enabled forward outside no_sync(); [Note: buffers as DDP])
+        self._buffers_due = True
         self.unused_grads_are_none = True        # torch DDP / FSDP2: a parameter no rank used keeps .grad None
         self.backward_pass: Optional[BackwardPass] = None   # the backward now running
         self._backward_count = 0
@@ -204,8 +207,8 @@ class Engine:
             # (an evaluation forward between a training forward and its backward leaves the phase)
             self.phase.enter(Phase.FORWARD, gradient_sync=self.requires_gradient_sync)
             self.sync_requires_grad()
-            if self.broadcast_buffers and training and self.requires_gradient_sync:
-                self._broadcast_buffers()
+        if self.broadcast_buffers and self._buffers_due:
+            self._broadcast_buffers()
         self.refresh_weights()
         root = self.units[0]
         self.forward_order.record(root)
@@ -218,6 +221,7 @@ class Engine:
     def _root_post_forward(self, module, args, output):
         root = self.units[0]
         record = self._exit_forward(root)
+        self._buffers_due = torch.is_grad_enabled() and self.requires_gradient_sync
         self.forward_order.freeze()
         in_backward = self.phase.is_(Phase.BACKWARD)
         if self.strategy.weights_sharded and not in_backward:
@@ -600,8 +604,21 @@ class Engine:
 
     def _broadcast_buffers(self) -> None:
         """Rank 0's buffers (e.g. BatchNorm running statistics) on every rank, as torch DDP's
-        ``broadcast_buffers=True`` does at the start of every training forward."""
+        ``broadcast_buffers=True`` does before a forward.
+
+        [Note: buffers as DDP]
+        DDP (``_pre_forward`` / ``_post_forward``, ``will_sync_module_buffers``) broadcasts before a
+        forward when the forward *before* it ran with grad enabled outside ``no_sync()`` (its
+        ``require_forward_param_sync``, True at the start), whatever the new forward is: so the
+        first micro-batch under ``no_sync()`` after a synced step broadcasts and the synced one
+        after it does not; an evaluation forward broadcasts when due and turns the next forward's
+        broadcast off. The source is rank 0 (DDP agrees on another rank only under ``Join``). Like
+        DDP, the overwrite keeps the buffers' version counters, so a buffer saved for a pending
+        backward (BatchNorm in eval mode) does not fail autograd's in-place check."""
         buffers = [b for b in self.root.buffers() if b.numel()]
-        for comm in (self.comm, self.replicas):    # inner first, then across replicas: global rank 0's
-            if buffers and comm is not None and comm.size > 1:
-                comm.broadcast(buffers, src_group_rank=0, label="buffers (broadcast_buffers)")
+        if not buffers:
+            return
+        with torch.autograd._unsafe_preserve_version_counter(tuple(buffers)):
+            for comm in (self.comm, self.replicas):    # inner first, then across replicas: global rank 0's
+                if comm is not None and comm.size > 1:
+                    comm.broadcast(buffers, src_group_rank=0, label="buffers (broadcast_buffers)")

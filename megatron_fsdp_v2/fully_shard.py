@@ -336,9 +336,10 @@ def fully_shard(
         allocator: ``"storage_freeing"`` or ``"trace_pool"`` (or an ``Allocator``) for temporaries.
         check_for_nan_in_grad: after each reduce, raise naming the first parameter whose reduced
             gradient holds NaN/Inf (one device-to-host sync per step).
-        broadcast_buffers: at every training forward (grad enabled, outside ``no_sync``) overwrite
-            the buffers (e.g. BatchNorm statistics) with rank 0's, as torch DDP's switch of the same
-            name does by default.
+        broadcast_buffers: overwrite the buffers (e.g. BatchNorm statistics) with rank 0's before
+            a forward, by torch DDP's rule for its switch of the same name (default on): the first
+            forward and every forward after a grad-enabled forward outside ``no_sync()``
+            (engine.py, [Note: buffers as DDP]).
         unused_param_grads: ``"none"`` (torch DDP / FSDP2): a parameter no rank used keeps
             ``.grad = None``, so optimizers skip it; ``"zeros"``: it gets a zero gradient
             (Megatron DDP's ``main_grad`` semantics).

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
+from functools import partial
 from typing import Callable, Optional
 
 import torch
@@ -37,15 +38,17 @@ class ForwardRecord:
 
 
 class _SavedWeight:
-    """A tensor autograd saved from a unit's gathered weights, the group it came from and the
-    forward that saved it."""
+    """A tensor autograd saved from a unit's gathered weights, the group it came from, the forward
+    that saved it and what to call when a backward node unpacks it."""
 
-    __slots__ = ("tensor", "group", "record")
+    __slots__ = ("tensor", "group", "record", "on_unpack")
 
-    def __init__(self, tensor: torch.Tensor, group, record: ForwardRecord) -> None:
+    def __init__(self, tensor: torch.Tensor, group, record: ForwardRecord,
+                 on_unpack: Callable[[ForwardRecord, object], None]) -> None:
         self.tensor = tensor
         self.group = group
         self.record = record
+        self.on_unpack = on_unpack
 
 
 def tensors_needing_grad(output, _depth: int = 0) -> list[torch.Tensor]:
@@ -79,13 +82,22 @@ class SavedWeightHooks:
     ``enter`` / ``exit`` bracket the forward (a forward pre-hook and an always-called forward
     hook), so the hooks are popped even when the forward raises. The unpack callback reaches the
     engine through a weak reference: autograd keeps the packed objects alive as long as the graph.
+
+    [Note: what the hooks hold]
+    The two callables handed to autograd hold nothing of the model: the pack hook reaches this
+    object through a weak reference and the unpack hook is a plain function of the packed object.
+    torch copies the thread's saved-tensor hooks into state it keeps beyond the forward (an async
+    gloo collective issued inside the forward, e.g. ZeRO-3's prefetch of the next unit, was seen to
+    keep them after the work had been waited for and dropped), so a strong reference from a hook
+    to the gathered groups kept a deleted model's parameters alive.
     """
 
     def __init__(self, on_unpack: Callable[[ForwardRecord, object], None], groups, record: ForwardRecord) -> None:
         self._ranges = _weight_ranges(groups)
         self._record = record
         self._on_unpack = on_unpack
-        self._context = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._context = torch.autograd.graph.saved_tensors_hooks(partial(_pack_through, weakref.ref(self)),
+                                                                 _unpack)
 
     def enter(self) -> None:
         self._context.__enter__()
@@ -93,31 +105,38 @@ class SavedWeightHooks:
     def exit(self) -> None:
         self._context.__exit__(None, None, None)
 
-    def _pack(self, tensor: torch.Tensor):
+    def pack(self, tensor: torch.Tensor):
+        # [Note: what a pack hook may keep] A tensor with a ``grad_fn`` is kept detached: when
+        # autograd saves a node's own *output* (tanh, exp, ...), keeping the tensor would make the
+        # node hold, through C++ state the cycle collector cannot see, a tensor holding the node;
+        # a forward whose backward never runs would then keep its whole graph (and through the
+        # packed groups the model's parameters) alive forever (torch's saved_tensors_hooks: "the
+        # return value of pack_hook cannot hold a reference to the input tensor"). The detached
+        # tensor shares storage and version counter; autograd re-attaches the history at unpack.
+        # A leaf (a module's parameter) holds no graph and is kept as is, so that at unpack it
+        # reads the weights the unit gathered again.
+        kept = _without_history(tensor)
         try:
             address = tensor.data_ptr()
         except RuntimeError:      # tensors without storage (e.g. some subclasses) are never weights
-            return tensor
+            return kept
         for start, end, group in self._ranges:
             if start <= address < end:
-                return _SavedWeight(tensor, group, self._record)
-        return tensor
-
-    def _unpack(self, packed):
-        if isinstance(packed, _SavedWeight):
-            self._on_unpack(packed.record, packed.group)
-            return packed.tensor
-        return packed
+                return _SavedWeight(kept, group, self._record, self._on_unpack)
+        return kept
 
 
-def weak_method(obj, name: str) -> Callable:
-    """``getattr(obj, name)`` called through a weak reference (no cycle through autograd state)."""
-    ref = weakref.ref(obj)
+def _without_history(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor if tensor.grad_fn is None else tensor.detach()
 
-    def call(*args):
-        target = ref()
-        if target is not None:
-            return getattr(target, name)(*args)
-        return None
 
-    return call
+def _pack_through(hooks_ref: "weakref.ref[SavedWeightHooks]", tensor: torch.Tensor):
+    hooks = hooks_ref()
+    return _without_history(tensor) if hooks is None else hooks.pack(tensor)
+
+
+def _unpack(packed):
+    if isinstance(packed, _SavedWeight):
+        packed.on_unpack(packed.record, packed.group)
+        return packed.tensor
+    return packed

@@ -20,7 +20,7 @@ and averaging them again leaves them unchanged, so every schedule stays exact.
 
 Main weights, optimizer state and compute weights are per replica; replicas stay identical
 because their gradients are. Nothing else crosses the outer group after wrapping (buffers under
-``broadcast_buffers``: once per training forward, like the inner group).
+``broadcast_buffers``: when the inner group broadcasts, by torch DDP's rule).
 """
 
 from __future__ import annotations

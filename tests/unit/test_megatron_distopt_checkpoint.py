@@ -43,6 +43,21 @@ def _opt_config(strategy: str = "optim"):
     return _opt_config("adam", LR_ADAM, use_distributed_optimizer=strategy != "no_shard")
 
 
+def _megatron_save_fully_reshardable(model, optimizer, base: str, name: str, rank: int) -> str:
+    """Megatron's own dist_checkpointing save of ``model`` and ``optimizer`` in model space, under
+    ``base/name``; returns that directory."""
+    from megatron.core import dist_checkpointing
+
+    path = os.path.join(base, name)
+    if rank == 0:
+        os.makedirs(path)
+    torch.distributed.barrier()
+    model_sd = model.sharded_state_dict()
+    dist_checkpointing.save({"model": model_sd, "optimizer": optimizer.sharded_state_dict(
+        model_sd, metadata={"distrib_optim_sharding_type": "fully_reshardable"})}, path)
+    return path
+
+
 def _iterate(ddp, config, optimizer, batches):
     """One iteration per NMB batches; returns the data-parallel mean losses."""
     from megatron.core import parallel_state as ps
@@ -310,13 +325,7 @@ def megatron_load_worker(rank, world_size, base, cases):
                 with torch.no_grad():       # fp32: Megatron copies into the model's parameters in place
                     optimizer.load_state_dict(loaded["optimizer"])
                 steps = {float(s["step"]) for s in optimizer.chained_optimizers[0].optimizer.state.values()}
-                again = os.path.join(base, f"megatron_{kind}_{strategy}")
-                if rank == 0:
-                    os.makedirs(again)
-                torch.distributed.barrier()
-                model_sd = model.sharded_state_dict()
-                dist_checkpointing.save({"model": model_sd, "optimizer": optimizer.sharded_state_dict(
-                    model_sd, metadata={"distrib_optim_sharding_type": "fully_reshardable"})}, again)
+                again = _megatron_save_fully_reshardable(model, optimizer, base, f"megatron_{kind}_{strategy}", rank)
                 want, got = ({k: v for k, v in dist_checkpointing.load_plain_tensors(d).items()
                               if isinstance(v, torch.Tensor)}
                              for d in (os.path.join(base, f"ours_ref_{kind}_{strategy}"), again))
@@ -380,13 +389,7 @@ def launcher_resume_worker(rank, world_size, base, fully):
             optimizer = get_megatron_optimizer(_opt_config(), [ddp])
             _iterate(ddp, config, optimizer, _batches(ps.get_data_parallel_rank(), 0, SAVED_ITERS * NMB))
             checkpointing.save_checkpoint(SAVED_ITERS, [ddp], optimizer, None, 0)
-            reference = os.path.join(base, "reference")
-            if rank == 0:
-                os.makedirs(reference)
-            torch.distributed.barrier()
-            model_sd = model.sharded_state_dict()
-            dist_checkpointing.save({"model": model_sd, "optimizer": optimizer.sharded_state_dict(
-                model_sd, metadata={"distrib_optim_sharding_type": "fully_reshardable"})}, reference)
+            reference = _megatron_save_fully_reshardable(model, optimizer, base, "reference", rank)
             plain = {k: v for k, v in dist_checkpointing.load_plain_tensors(reference).items()
                      if isinstance(v, torch.Tensor)}
             ours, config = build_tiny_gpt(77, vocab=VOCAB, seq=SEQ)

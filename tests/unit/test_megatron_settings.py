@@ -27,6 +27,7 @@ if importlib.util.find_spec("megatron.core") is None:
     pytest.skip("megatron-core is not installed", allow_module_level=True)
 
 from tests.megatron_cpu import run_distributed  # noqa: E402
+from tests.unit.test_megatron_adapter import _expect_error  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 MODEL = types.SimpleNamespace(bf16=False, fp16=False, params_dtype=torch.float32, pipeline_model_parallel_size=1)
@@ -154,14 +155,6 @@ LAUNCHER_ARGS = [
     "--train-iters", "5", "--lr", "1e-3", "--tokenizer-type", "NullTokenizer", "--vocab-size", "64",
     "--transformer-impl", "local",
 ]
-
-
-def _expect_error(fn):
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 - reported to the parent
-        return f"{type(exc).__name__}: {exc}"
-    return None
 
 
 def _build(strategy, config_overrides=None, **ddp_kwargs):

@@ -14,7 +14,6 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn as nn
 
-from .engine import Unit
 from .experts import expert_param_ids
 from .layout import default_alignment
 from .meta_init import has_meta_state, initialize_meta_model, replace_meta_parameters
@@ -24,6 +23,7 @@ from .offload import HostLink, choose_offloaded
 from .optimizer_hook import mark_replaced
 from .param_group import ParamGroup
 from .row_sharded import mesh_of_group
+from .unit_state import Unit
 from .units import assign_units, group_specs
 from .wrap_checks import WrapGroups, check_params, group_device
 

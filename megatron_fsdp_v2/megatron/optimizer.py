@@ -69,7 +69,8 @@ from megatron.core.optimizer import (
 from megatron.core.optimizer.optimizer import ChainedOptimizer
 from megatron.core.optimizer.optimizer_config import ParamWithNamePredicate
 
-from .adapter import ORIGINAL_SHAPE_ATTR, FullyShardedDataParallel, offload_policy
+from .adapter import ORIGINAL_SHAPE_ATTR, FullyShardedDataParallel
+from .wrap_settings import offload_policy
 from .dist_checkpoint import install_optimizer_checkpointing
 from .model_parallel import is_expert_parameter
 from .settings import check_optimizer_config

@@ -16,7 +16,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .adapter import _default_unit_classes, _mixed_precision
+from .adapter import _default_unit_classes
+from .wrap_settings import _mixed_precision
 
 __all__ = ["megatron_gpt_on_meta", "padded_vocab_size"]
 

@@ -247,7 +247,7 @@ def _replicated(out, mesh: DeviceMesh):
 # default) within ~2x of plain tensors instead of ~5x through DTensor's dispatcher.
 _NOT_LOCAL = object()
 _LOCAL_OPS = {_aten.detach.default, _aten.alias.default, _aten.clone.default, _aten._to_copy.default,
-              _aten.zeros_like.default, _aten.empty_like.default, _aten.ones_like.default,
+              _aten.zeros_like.default, _aten.empty_like.default, _aten.ones_like.default, _aten.full_like.default,
               _aten.copy_.default, _aten.zero_.default, _aten.fill_.Scalar, _aten.lerp_.Scalar,
               _aten._fused_adam_.default, _aten._fused_adamw_.default, _aten._fused_sgd_.default}
 
@@ -430,7 +430,9 @@ def row_sharded(local: torch.Tensor, mesh: DeviceMesh, shape: Sequence[int], row
 # zeros_like, optimizer state) come back as plain DTensors, which DCP and full_tensor() would cut
 # by torch.chunk, and an inf-norm of an empty piece raises. On such builds the same two repairs
 # run one level up, in __torch_function__: outputs shaped like an input become RowShardedTensors
-# with its splits, and empty pieces are filled for +-inf norms. The first row_sharded() call
+# with its splits, and empty pieces are filled for +-inf norms. The full-tensor path of [Note: ops
+# on row-snapped shards] is not reached there (seen on torch 2.11): reductions other than norms,
+# indexing and reshapes keep DTensor's torch.chunk rules on such builds. The first row_sharded() call
 # probes which kind of build this is (a local alias: no collective).
 _REPAIR_INSTALLED = False
 _MAX_NORM_FUNCTIONS = {"_foreach_norm", "linalg_vector_norm", "vector_norm"}

@@ -128,6 +128,13 @@ def _no_shard_with_distributed_optimizer(value, context) -> bool:
     return bool(value) and strategy == "no_shard"
 
 
+def _no_shard_distributed_optimizer_without_offload(value, context) -> bool:
+    """Megatron's OptimizerConfig asserts use_distributed_optimizer with optimizer_cpu_offload (and
+    the precision-aware optimizer it demands); our offload works on no_shard, so that pair passes."""
+    offload = getattr(context.get("optimizer"), "optimizer_cpu_offload", False)
+    return _no_shard_with_distributed_optimizer(value, context) and not offload
+
+
 def _outer_strategy_problem(value, context) -> Union[bool, str]:
     ddp = context["ddp"]
     if value not in ("no_shard", "optim"):
@@ -335,10 +342,11 @@ OPTIMIZER_SETTINGS: Dict[str, Setting] = {s.field: s for s in (
     *_read_only_by("adaptive_muon", "adaptive_muon_moment2_method adaptive_muon_beta2 adaptive_muon_eps", {}),
     _refused("use_distributed_optimizer", "--use-distributed-optimizer",
              "set by get_optimizer (True for adam: Megatron's DistributedOptimizer on its FSDP path; False for "
-             "sgd); refused with a 'no_shard' model",
+             "sgd); refused with a 'no_shard' model, except with optimizer_cpu_offload (which Megatron's "
+             "OptimizerConfig only accepts with it)",
              "the 'no_shard' model keeps the whole optimizer state on every rank; Megatron's DDP with the "
              "distributed optimizer is ZeRO-1: wrap with data_parallel_sharding_strategy='optim'",
-             when=_no_shard_with_distributed_optimizer),
+             when=_no_shard_distributed_optimizer_without_offload),
     _refused("use_layer_wise_distributed_optimizer", "--use-distributed-optimizer (with muon)", "refused when True",
              "layer-wise optimizers need whole matrices"),
     _honoured("overlap_param_gather", "--overlap-param-gather",

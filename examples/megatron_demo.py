@@ -153,7 +153,8 @@ def _run(opts, batches, strategy: str, rank: int) -> dict:
     else:
         ddp_config = DistributedDataParallelConfig(data_parallel_sharding_strategy=strategy, overlap_grad_reduce=True)
         wrapped = FullyShardedDataParallel(config, ddp_config, model)
-        optimizer = get_optimizer(_optimizer_config(opts, True), [wrapped])
+        # Megatron DDP + distributed optimizer is our optim; no_shard keeps the whole optimizer state
+        optimizer = get_optimizer(_optimizer_config(opts, strategy != "no_shard"), [wrapped])
         wrapped.reset_comm_stats()
     OptimizerParamScheduler(optimizer, init_lr=opts.lr, max_lr=opts.lr, min_lr=opts.lr, lr_warmup_steps=0,
                             lr_decay_steps=1 << 30, lr_decay_style="constant", start_wd=opts.weight_decay,
@@ -203,7 +204,7 @@ def _reload(opts, saved: str, target: str) -> bool:
     model, config = _build_gpt(opts)
     wrapped = FullyShardedDataParallel(config, DistributedDataParallelConfig(data_parallel_sharding_strategy=target),
                                        model)
-    optimizer = get_optimizer(_optimizer_config(opts, True), [wrapped])
+    optimizer = get_optimizer(_optimizer_config(opts, target != "no_shard"), [wrapped])
     load_dist_checkpoint(os.path.join(opts.ckpt_root, saved), wrapped, optimizer)
     return wrapped.state_dict(), _adam_steps(optimizer)
 

@@ -14,12 +14,9 @@ instead of asserting, so no rank stops while the others wait; the test asserts i
 
 from __future__ import annotations
 
-import io
-import math
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -197,11 +194,12 @@ def save_worker(rank, world, tmp):
             out[(strategy, dtensor_params)] = (same, loaded_shape, float(full_bias.min()), float(full_bias.max()),
                                                pointers == after,
                                                torch.equal(model.full_state_dict()["head.bias"],
-                                                           Net_reference_bias()))
+                                                           _initial_head_bias()))
     return out
 
 
-def Net_reference_bias():  # noqa: N802 - the bias Net() starts with under seed 0
+def _initial_head_bias():
+    """The head bias Net() starts with under seed 0."""
     torch.manual_seed(0)
     return Net().head.bias.detach()
 

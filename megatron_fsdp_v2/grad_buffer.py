@@ -9,16 +9,61 @@ late as possible (ZeRO-2/3: when the group's first reduce-scatter lands; DDP/ZeR
 gradient). A ``.grad`` the user keeps, ``set_to_none=False`` or a further backward before
 ``step()`` keeps the buffer alive and everything accumulates as before. With ``persistent``
 (Megatron's ``main_grad``) the buffer is always held.
+
+[Note: gradient buffers from their own pool]
+Freed at ``zero_grad`` and allocated again in the next backward, a gradient buffer must not take
+the holes the backward's transients leave. With the default CUDA allocator settings a freed 2 GiB
+attention-score block is the best fit for the next 768 MiB gradient buffer: it is split, the next
+layer's 2 GiB request finds no block and the device fills with 512 MiB remainders (measured on
+one H200, issue-16 GPT at 38 layers: 12.5 GiB reserved but free at the out-of-memory point,
+benchmarks/fragmentation_snapshot.py). FSDP2 does not see this because its gradients are
+reduce-scatter outputs allocated on its reduce-scatter stream, and the caching allocator keeps
+one pool of blocks per stream. So on an accelerator the buffers are allocated while a stream of
+their own is current (``gradient_pool_stream``): their blocks form a pool that only gradient
+buffers reuse, of exactly their sizes. The buffer is used on the stream current at ``ensure``
+(its zeroing runs there), and ``record_stream`` on that stream keeps a freed block from being
+handed out before that stream's queued work on it is done.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Optional
+from typing import Dict, Optional
 
 import torch
 
-__all__ = ["GradBuffer"]
+__all__ = ["GradBuffer", "gradient_pool_stream"]
+
+_POOL_STREAMS: Dict[torch.device, object] = {}
+
+
+def gradient_pool_stream(device: torch.device):
+    """The stream whose allocator pool holds ``device``'s gradient buffers (None on CPU, or on a
+    device module without streams) ([Note: gradient buffers from their own pool])."""
+    if device.type in ("cpu", "meta"):
+        return None
+    try:
+        module = torch.get_device_module(device)
+    except RuntimeError:
+        return None
+    if not hasattr(module, "Stream") or not hasattr(module, "stream"):
+        return None
+    key = torch.device(device.type, device.index if device.index is not None else module.current_device())
+    if key not in _POOL_STREAMS:
+        _POOL_STREAMS[key] = module.Stream(device=key)
+    return _POOL_STREAMS[key]
+
+
+def zeroed_from_pool(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed flat buffer; on an accelerator its block comes from the gradient pool."""
+    pool = gradient_pool_stream(device)
+    if pool is None:
+        return torch.zeros(numel, dtype=dtype, device=device)
+    module = torch.get_device_module(device)
+    with module.stream(pool):
+        buffer = torch.empty(numel, dtype=dtype, device=device)
+    buffer.record_stream(module.current_stream(device))
+    return buffer.zero_()
 
 
 class GradBuffer:
@@ -42,7 +87,7 @@ class GradBuffer:
         buffer = self.live()
         fresh = buffer is None
         if fresh:
-            buffer = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+            buffer = zeroed_from_pool(self.numel, self.dtype, self.device)
         self._held, self._weak = buffer, None
         return buffer, fresh
 

@@ -174,3 +174,40 @@ def test_zero2_step_peak_not_above_zero1(world, memory):
         failures.append(f"ZeRO-2 step peak {peak2 / MiB:.1f} MiB > ZeRO-1 step peak {peak1 / MiB:.1f} MiB "
                         f"(grads saved {saved / MiB:.1f} MiB, temporaries bound {bound / MiB:.1f} MiB)")
     assert_no_failures(failures, "ZeRO-2 step peak above ZeRO-1's (torch.cuda.max_memory_allocated)")
+
+
+def test_gradient_buffers_come_from_their_own_pool(world):
+    """[Note: gradient buffers from their own pool]: every reduced-gradient buffer's block lies in
+    a segment of the gradient pool's stream, never in the compute stream's (whose transients
+    would otherwise split it), and a second step reuses the first step's blocks (no new segment)."""
+    from megatron_fsdp_v2.grad_buffer import gradient_pool_stream
+
+    if not world.is_cuda:
+        pytest.skip("needs CUDA: the caching allocator's per-stream pools")
+    spec = harness.memory_spec()
+    harness.release_memory(world)
+    model, optimizer, _ = harness.shard_gpt(spec, world, "optim_grads_params")
+    data = harness.batches(spec, world.rank, world, n=2 * spec.micro_batches)
+    pool = gradient_pool_stream(world.device).cuda_stream
+    seen = []
+    for step in range(2):
+        def hook(i, phase, fn):
+            out = fn()
+            if phase == "step":
+                buffers = [g.grads.live() for g in model._fsdp_engine.groups if g.grads.live() is not None]
+                segments = torch.cuda.memory._snapshot()["segments"]
+                streams = []
+                for b in buffers:
+                    ptr = b.data_ptr()
+                    seg = next(s for s in segments if s["address"] <= ptr < s["address"] + s["total_size"])
+                    streams.append(seg["stream"])
+                seen.append((len(buffers), streams, sorted(b.data_ptr() for b in buffers)))
+            return out
+        k = spec.micro_batches
+        harness.plain_step(model, optimizer, data[step * k:(step + 1) * k], world, phase_hook=hook)
+    (count, streams, ptrs0), (_, _, ptrs1) = seen
+    assert count == len(model._fsdp_engine.groups)
+    assert set(streams) == {pool}
+    assert ptrs0 == ptrs1
+    del model, optimizer
+    harness.release_memory(world)

@@ -199,6 +199,10 @@ def refusal_worker(rank, world, case):
                         expert_params=lambda n, p: ".experts." in n)
     except (ValueError, TypeError) as exc:
         return str(exc)
+    finally:
+        dist.barrier()                   # no rank tears its groups down while a peer still connects
+        for group in groups:             # pooled workers: no sockets left behind for later tests
+            dist.destroy_process_group(group)
     return None
 
 

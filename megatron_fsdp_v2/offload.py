@@ -42,7 +42,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-__all__ = ["HostLink", "OffloadPolicy", "OffloadedGroup", "choose_offloaded"]
+__all__ = ["HostLink", "OffloadPolicy", "OffloadedGroup", "choose_offloaded", "offload_choice_bytes"]
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,12 @@ class OffloadPolicy:
         for name in ("pin_memory", "overlap"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"offload: OffloadPolicy.{name} must be True or False, got {getattr(self, name)!r}.")
+
+
+def offload_choice_bytes(numel: int, main_dtype: torch.dtype) -> int:
+    """What a group weighs in the choice: its parameters' elements (no padding, so the same at every
+    dp size) in the main-weight dtype. ``fully_shard`` and ``plan`` both weigh groups by this."""
+    return numel * main_dtype.itemsize
 
 
 def choose_offloaded(group_bytes: Sequence[int], fraction: float) -> frozenset:
@@ -173,6 +179,11 @@ class OffloadedGroup:
             event = self.link.copy(self._staging, lambda: reduced.to(self.grad.dtype))
             self._pending.append((event, lambda: self.grad.add_(self._staging, alpha=scale)))
         self.grad_fresh = False
+
+    @property
+    def staging(self) -> Optional[torch.Tensor]:
+        """The host buffer a later landing of one accumulation is copied into (None until one came)."""
+        return self._staging
 
     def flush(self) -> None:
         """Make ``grad`` final on the host: wait for the copies, apply the pending additions."""

@@ -164,8 +164,9 @@ class OffloadedGroup:
         ``overwrite`` is for a persistent source (DDP / ZeRO-1's full-size buffer, which the next
         backward writes again): the compute stream waits for its copy before going on. A
         temporary source (ZeRO-2/3's reduce output) is only kept alive until its copy ran."""
-        self.flush()
-        if overwrite or self.grad_fresh:
+        fresh = self.grad_fresh            # (flush() would zero the fresh buffer this landing overwrites)
+        self._finish_pending()
+        if overwrite or fresh:
             def scaled():
                 out = reduced.to(self.grad.dtype)
                 return out.mul_(scale) if scale != 1.0 else out
@@ -187,15 +188,18 @@ class OffloadedGroup:
 
     def flush(self) -> None:
         """Make ``grad`` final on the host: wait for the copies, apply the pending additions."""
+        self._finish_pending()
+        if self.grad_fresh:
+            self.grad.zero_()
+            self.grad_fresh = False
+
+    def _finish_pending(self) -> None:
         pending, self._pending = self._pending, []
         for event, then in pending:
             self.link.host_waits(event)
             if then is not None:
                 with torch.no_grad():
                     then()
-        if self.grad_fresh:
-            self.grad.zero_()
-            self.grad_fresh = False
 
     def zero(self) -> None:
         """A fresh accumulation: the next landing overwrites (no pass over the host buffer now)."""

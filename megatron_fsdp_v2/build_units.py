@@ -19,7 +19,7 @@ from .layout import default_alignment
 from .meta_init import has_meta_state, initialize_meta_model, replace_meta_parameters
 from .mixed_precision import full_precision_param_ids, resolve_dtypes
 from .nested import absorb_wrapped_submodules
-from .offload import HostLink, choose_offloaded
+from .offload import HostLink, choose_offloaded, offload_choice_bytes
 from .optimizer_hook import mark_replaced
 from .param_group import ParamGroup
 from .row_sharded import mesh_of_group
@@ -115,8 +115,8 @@ def _offload_choice(plans: list, offload, device: torch.device) -> tuple[frozens
     """(positions of the groups whose main weights live on the host, the link they share)."""
     if offload is None:
         return frozenset(), None
-    sizes = [sum(e[2].numel() for e in g.entries)
-             * resolve_dtypes(g.dtype, policy, g.requires_grad, g.full_precision).main.itemsize
+    sizes = [offload_choice_bytes(sum(e[2].numel() for e in g.entries),
+                                  resolve_dtypes(g.dtype, policy, g.requires_grad, g.full_precision).main)
              for policy, gspecs in plans for g in gspecs]
     to_host = choose_offloaded(sizes, offload.fraction)
     return to_host, (HostLink(device, offload) if to_host else None)

@@ -203,7 +203,7 @@ class FullyShardedModule:
     def persistent_bytes(self) -> dict:
         """Device bytes this rank keeps between steps (weights, main weights, grads; not optimizer
         state) by role and ``"total"``; with offload also the host bytes (``"host_main_weights"``,
-        ``"host_grads"``, ``"host_total"``), which ``"total"`` leaves out."""
+        ``"host_grads"``, ``"host_grad_staging"``, ``"host_total"``), which ``"total"`` leaves out."""
         total: dict = {}
         for group in self._fsdp_engine.groups:
             for role, nbytes in group.persistent_bytes().items():
@@ -284,7 +284,7 @@ class FullyShardedModule:
 
 
 def _auto_strategy(module, options, groups, outer_sharding_strategy, unit_modules, mixed_precision,
-                   reduce_root_per_child, broadcast_buffers) -> ShardingStrategy:
+                   reduce_root_per_child, broadcast_buffers, offload, persistent_grads) -> ShardingStrategy:
     """``sharding_strategy="auto"`` (plan/resolve.py); what the plan does not cover is refused
     before its one collective, on every rank alike."""
     nested = [name for name, m in module.named_modules() if isinstance(m, FullyShardedModule)]
@@ -295,7 +295,7 @@ def _auto_strategy(module, options, groups, outer_sharding_strategy, unit_module
         raise ValueError(f"sharding_strategy='auto' plans flat and hybrid (HSDP) sharding of one fully_shard call; "
                          f"got {', '.join(refused)}: pass one of {list(STRATEGY_NAMES)}.")
     return resolve_auto_strategy(module, options, groups.comm, groups.replicas, group_device(groups.comm), unit_modules,
-                                 mixed_precision, reduce_root_per_child, broadcast_buffers)
+                                 mixed_precision, reduce_root_per_child, broadcast_buffers, offload, persistent_grads)
 
 
 def fully_shard(
@@ -402,7 +402,8 @@ def fully_shard(
     groups = wrap_communicators(process_group, expert_process_group, expert_params)
     if strategy is None:
         strategy = _auto_strategy(module, auto_strategy or AutoStrategy(), groups, outer_sharding_strategy,
-                                  unit_modules, mixed_precision, reduce_root_per_child, broadcast_buffers)
+                                  unit_modules, mixed_precision, reduce_root_per_child, broadcast_buffers,
+                                  offload, persistent_grads)
     world = check_outer_sharding(outer_sharding_strategy, strategy, groups.comm, groups.replicas)
     model = prepare_model(module, strategy, groups, expert_params, unit_modules, FullyShardedModule)
     agree_on_wrap(module, groups, model, strategy, alloc, mixed_precision=mixed_precision,

@@ -83,9 +83,12 @@ class GroupOffload:
         self._pending_refresh = PendingCollective(None, self.offloaded.wait_upload)
 
     def host_bytes(self) -> dict:
-        """Bytes this group keeps in host memory (offloaded groups only)."""
+        """Bytes this group keeps in host memory (offloaded groups only); ``host_grad_staging``: ZeRO-2/3's
+        buffer for a later micro-batch's landing, made at the first such landing and kept."""
         if self.offloaded is None:
             return {}
         def nbytes(t):
             return t.numel() * t.element_size()
-        return {"host_main_weights": nbytes(self.main_shard), "host_grads": nbytes(self.offloaded.grad)}
+        staging = self.offloaded.staging
+        return {"host_main_weights": nbytes(self.main_shard), "host_grads": nbytes(self.offloaded.grad),
+                "host_grad_staging": 0 if staging is None else nbytes(staging)}

@@ -42,7 +42,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-__all__ = ["HostLink", "OffloadPolicy", "OffloadedGroup", "choose_offloaded"]
+__all__ = ["HostLink", "OffloadPolicy", "OffloadedGroup", "choose_offloaded", "offload_choice_bytes"]
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,12 @@ class OffloadPolicy:
         for name in ("pin_memory", "overlap"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"offload: OffloadPolicy.{name} must be True or False, got {getattr(self, name)!r}.")
+
+
+def offload_choice_bytes(numel: int, main_dtype: torch.dtype) -> int:
+    """What a group weighs in the choice: its parameters' elements (no padding, so the same at every
+    dp size) in the main-weight dtype. ``fully_shard`` and ``plan`` both weigh groups by this."""
+    return numel * main_dtype.itemsize
 
 
 def choose_offloaded(group_bytes: Sequence[int], fraction: float) -> frozenset:
@@ -158,8 +164,9 @@ class OffloadedGroup:
         ``overwrite`` is for a persistent source (DDP / ZeRO-1's full-size buffer, which the next
         backward writes again): the compute stream waits for its copy before going on. A
         temporary source (ZeRO-2/3's reduce output) is only kept alive until its copy ran."""
-        self.flush()
-        if overwrite or self.grad_fresh:
+        fresh = self.grad_fresh            # (flush() would zero the fresh buffer this landing overwrites)
+        self._finish_pending()
+        if overwrite or fresh:
             def scaled():
                 out = reduced.to(self.grad.dtype)
                 return out.mul_(scale) if scale != 1.0 else out
@@ -174,17 +181,25 @@ class OffloadedGroup:
             self._pending.append((event, lambda: self.grad.add_(self._staging, alpha=scale)))
         self.grad_fresh = False
 
+    @property
+    def staging(self) -> Optional[torch.Tensor]:
+        """The host buffer a later landing of one accumulation is copied into (None until one came)."""
+        return self._staging
+
     def flush(self) -> None:
         """Make ``grad`` final on the host: wait for the copies, apply the pending additions."""
+        self._finish_pending()
+        if self.grad_fresh:
+            self.grad.zero_()
+            self.grad_fresh = False
+
+    def _finish_pending(self) -> None:
         pending, self._pending = self._pending, []
         for event, then in pending:
             self.link.host_waits(event)
             if then is not None:
                 with torch.no_grad():
                     then()
-        if self.grad_fresh:
-            self.grad.zero_()
-            self.grad_fresh = False
 
     def zero(self) -> None:
         """A fresh accumulation: the next landing overwrites (no pass over the host buffer now)."""

@@ -7,6 +7,7 @@ temporaries and collectives. A model on the meta device is enough: no process gr
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 import torch
@@ -14,10 +15,13 @@ import torch.nn as nn
 
 from ..layout import default_alignment
 from ..mixed_precision import MixedPrecisionPolicy
+from ..offload import OffloadPolicy
 from ..strategy import STRATEGY_NAMES, ShardingStrategy, get_strategy
 from .auto import choose
 from .groups import planned_units
 from .memory import OPTIMIZER_STATE_COPIES, rank_persistent_bytes
+from .offload import check_offload, host_transfers, offloaded_groups, upload_transients
+from .phases import check_activation_bytes, step_phases
 from .report import Plan, StrategyPlan
 from .schedule import ring_bytes, step_comm, step_temporaries
 
@@ -66,28 +70,61 @@ def _buffer_bytes(module: nn.Module) -> list:
     return list(by_dtype.values())
 
 
+@dataclass(frozen=True)
+class _Job:
+    """What every candidate of one ``plan`` call shares."""
+
+    optimizer: str
+    micro_batches: int
+    persistent_grads: bool
+    activation_bytes: Optional[int]
+    buffers: list
+
+
+def _candidate(units: list, strategy: ShardingStrategy, shape, world_size: int, fraction, job: _Job) -> StrategyPlan:
+    outer, inner = shape if shape is not None else (1, world_size)
+    groups = [g for u in units for g in u.groups]
+    offloaded = offloaded_groups(groups, fraction)
+    k = job.micro_batches
+    ranks = tuple(rank_persistent_bytes(groups, strategy, r, job.optimizer, offloaded, k) for r in range(inner))
+    comm = step_comm(units, strategy, k, inner, None if shape is None else outer, job.buffers)
+    wire = ring_bytes(comm, inner) + (ring_bytes(comm["across_replicas"], outer) if shape else 0)
+    temporaries = step_temporaries(units, strategy, inner, k)
+    full_grads = [] if strategy.grads_sharded else [g.layout.total_numel * g.dtypes.grad.itemsize if g.requires_grad
+                                                   else 0 for g in groups]
+    accumulation = sum(full_grads[i] for i in offloaded) if full_grads else 0
+    temporaries["peak"] += accumulation          # offloaded DDP/ZeRO-1: the device buffer lands on the host
+    phases = step_phases(units, strategy, inner, max(ranks, key=lambda r: r["total"]), k, job.persistent_grads,
+                         upload_transients(groups, offloaded, strategy), accumulation)
+    return StrategyPlan(strategy.name, (outer, inner), ranks, temporaries, comm, wire, fraction,
+                        host_transfers(groups, offloaded, strategy, k), phases, job.activation_bytes)
+
+
 def plan_candidates(module: nn.Module, strategies, world_size: int, hybrid_shape, mixed_precision,
                     optimizer: str, micro_batches: int, unit_modules, device: str,
-                    reduce_root_per_child: bool, broadcast_buffers: bool) -> list[StrategyPlan]:
-    """One ``StrategyPlan`` per (hybrid shape, strategy), in that order."""
+                    reduce_root_per_child: bool, broadcast_buffers: bool, offload=None, offload_fractions=None,
+                    activation_bytes: Optional[int] = None, persistent_grads: bool = False) -> list[StrategyPlan]:
+    """One ``StrategyPlan`` per (hybrid shape, strategy, offload fraction), in that order."""
 
     _check(module, optimizer, micro_batches, mixed_precision)
     if isinstance(strategies, (str, ShardingStrategy)):
         strategies = [strategies]
     strategies = [get_strategy(s, argument="strategies") for s in strategies]
+    fractions = check_offload(offload, offload_fractions)
+    if not isinstance(persistent_grads, bool):
+        raise TypeError(f"persistent_grads must be True or False, got {persistent_grads!r}.")
+    job = _Job(optimizer, micro_batches, persistent_grads, check_activation_bytes(activation_bytes),
+               _buffer_bytes(module) if broadcast_buffers else [])
     alignment = default_alignment(torch.device(device))
-    buffers = _buffer_bytes(module) if broadcast_buffers else []
     out = []
     for shape in _shapes(world_size, hybrid_shape):
-        outer, inner = shape if shape is not None else (1, world_size)
+        if shape is not None and any(fractions):
+            raise ValueError(f"offload: CPU offload with hybrid sharding is not supported (fully_shard refuses it); "
+                             f"got hybrid_shape {shape} with offload fraction(s) {[f for f in fractions if f]}.")
+        inner = shape[1] if shape is not None else world_size
         units = planned_units(module, unit_modules, mixed_precision, inner, alignment, reduce_root_per_child)
-        groups = [g for u in units for g in u.groups]
         for strategy in strategies:
-            ranks = tuple(rank_persistent_bytes(groups, strategy, r, optimizer) for r in range(inner))
-            comm = step_comm(units, strategy, micro_batches, inner, None if shape is None else outer, buffers)
-            wire = ring_bytes(comm, inner) + (ring_bytes(comm["across_replicas"], outer) if shape else 0)
-            out.append(StrategyPlan(strategy.name, (outer, inner), ranks,
-                                    step_temporaries(units, strategy, inner, micro_batches), comm, wire))
+            out += [_candidate(units, strategy, shape, world_size, f, job) for f in fractions]
     return out
 
 
@@ -95,7 +132,9 @@ def plan(module: nn.Module, strategies: Union[str, Sequence] = STRATEGY_NAMES, *
          hybrid_shape=None, mixed_precision: Optional[MixedPrecisionPolicy] = None, optimizer: str = "adam",
          micro_batches: int = 1, unit_modules: Optional[Sequence[type]] = None, device: str = "cuda",
          reduce_root_per_child: bool = False, broadcast_buffers: bool = True,
-         budget_bytes: Optional[int] = None) -> Plan:
+         budget_bytes: Optional[int] = None, offload: Optional[OffloadPolicy] = None,
+         offload_fractions: Optional[Sequence[float]] = None, activation_bytes: Optional[int] = None,
+         persistent_grads: bool = False) -> Plan:
     """Per-rank memory and communication of one training step under each strategy, before launch.
 
     Args:
@@ -111,14 +150,25 @@ def plan(module: nn.Module, strategies: Union[str, Sequence] = STRATEGY_NAMES, *
         micro_batches: per optimizer step (the first ones under ``no_sync()``).
         device: ``"cuda"`` (parameters aligned to 64 elements, as ``fully_shard`` does on GPUs) or
             ``"cpu"``.
-        budget_bytes: if given, ``Plan.chosen`` is the candidate fitting it that sends the fewest
-            bytes (``runner_up`` the next); ``NoPlanFitsError`` names the smallest when none fits.
+        budget_bytes: if given, ``Plan.chosen`` is the candidate fitting it (``fit_bytes``) that
+            moves the fewest bytes per step (network and host link; ``runner_up`` the next);
+            ``NoPlanFitsError`` names the smallest when none fits.
+        offload: ``OffloadPolicy(fraction=f)`` as ``fully_shard`` takes it: the groups it puts on
+            the host, their pinned host bytes and the copies per step (plan/offload.py).
+        offload_fractions: instead of ``offload``, several fractions to compare (one candidate
+            per strategy and fraction; 0 is no offload): the choice may then offload.
+        activation_bytes: the activation peak of one forward and backward measured without any
+            wrapper; adds ``peak_with_activations`` (the peak of the step, [Note: the peak with
+            activations]), which the budget is then compared to (pass the device's memory).
+        persistent_grads: as ``fully_shard``: gradients kept through ``zero_grad``.
 
     Not covered: expert parameters, ``outer_sharding_strategy="optim"`` (HFSDP), nested
-    ``fully_shard`` calls, CPU offload, activations (leave room for them in ``budget_bytes``).
+    ``fully_shard`` calls, offload with hybrid sharding; without ``activation_bytes``, activations
+    (leave room for them in ``budget_bytes``).
     """
     candidates = plan_candidates(module, strategies, world_size, hybrid_shape, mixed_precision, optimizer,
-                                 micro_batches, unit_modules, device, reduce_root_per_child, broadcast_buffers)
+                                 micro_batches, unit_modules, device, reduce_root_per_child, broadcast_buffers,
+                                 offload, offload_fractions, activation_bytes, persistent_grads)
     chosen = runner_up = None
     if budget_bytes is not None:
         chosen, runner_up = choose(candidates, budget_bytes)

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from ..comm import COLLECTIVES
+from .phases import peak_with_activations
 
 __all__ = ["Plan", "StrategyPlan", "format_bytes"]
 
@@ -32,6 +33,14 @@ class StrategyPlan:
             ``peak`` (all of them together at the worst moment).
         comm: the collectives of one step, in ``comm_stats()``'s form.
         wire_bytes: bytes a rank sends per step (ring algorithms), shard and outer groups.
+        offload_fraction: ``OffloadPolicy.fraction`` planned (None: no offload); the ranks' host
+            kinds (``host_main_weights``, ``host_grads``, ``host_grad_staging``,
+            ``host_optimizer_state``, ``host_total``) are pinned host memory.
+        transfers: per step, ``{"d2h_grads": {"count", "bytes"}, "h2d_weights": {...}}`` over
+            the host link (plan/offload.py).
+        phases: our device bytes at ``forward_end``, ``last_unit_backward`` and ``step``
+            (plan/phases.py, [Note: the peak with activations]).
+        activation_bytes: the activation peak given to ``plan`` (None: not given).
     """
 
     strategy: str
@@ -40,6 +49,10 @@ class StrategyPlan:
     temporaries: dict
     comm: dict
     wire_bytes: int
+    offload_fraction: Optional[float] = None
+    transfers: dict = field(default_factory=dict)
+    phases: dict = field(default_factory=dict)
+    activation_bytes: Optional[int] = None
 
     @property
     def persistent_bytes(self) -> int:
@@ -53,9 +66,38 @@ class StrategyPlan:
         return self.persistent_bytes + self.temporaries["peak"]
 
     @property
+    def peak_with_activations(self) -> Optional[int]:
+        """With ``activation_bytes``: the planned peak of a step, activations included
+        ([Note: the peak with activations]); None without."""
+        if self.activation_bytes is None:
+            return None
+        return peak_with_activations(self.phases, self.peak_bytes, self.activation_bytes)
+
+    @property
+    def fit_bytes(self) -> int:
+        """What must fit the budget: ``peak_with_activations`` if activations were given, else ``peak_bytes``."""
+        with_activations = self.peak_with_activations
+        return self.peak_bytes if with_activations is None else with_activations
+
+    @property
+    def host_bytes(self) -> int:
+        """The largest rank's pinned host bytes (offload)."""
+        return max(rank["host_total"] for rank in self.ranks)
+
+    @property
+    def transfer_bytes(self) -> int:
+        return sum(t["bytes"] for t in self.transfers.values())
+
+    @property
+    def moved_bytes(self) -> int:
+        """Bytes a rank moves per step: sent over the network (``wire_bytes``) and over the host link."""
+        return self.wire_bytes + self.transfer_bytes
+
+    @property
     def name(self) -> str:
         outer, inner = self.shape
-        return self.strategy if outer == 1 and "across_replicas" not in self.comm else f"{self.strategy} {outer}x{inner}"
+        name = self.strategy if outer == 1 and "across_replicas" not in self.comm else f"{self.strategy} {outer}x{inner}"
+        return name if self.offload_fraction is None else f"{name} offload {self.offload_fraction:g}"
 
     def row(self) -> list:
         rank = max(self.ranks, key=lambda r: r["total"])
@@ -69,19 +111,22 @@ class StrategyPlan:
         outer = self.comm.get("across_replicas")
         cells.append(f"{outer['all_reduce']['count']} / {format_bytes(outer['all_reduce']['bytes'])}" if outer else "-")
         cells.append(format_bytes(self.wire_bytes))
+        cells += [format_bytes(self.host_bytes), format_bytes(self.transfer_bytes)]
+        if self.activation_bytes is not None:
+            cells.append(format_bytes(self.peak_with_activations))
         return cells
 
 
 HEADER = ["strategy", "weights", "main", "grads", "optimizer", "(padding)", "kept", "gathered", "reduce in",
           "held grads", "trace pool", "temp peak", "peak", "all-gather", "reduce-scatter", "all-reduce",
-          "outer all-reduce", "sent/rank"]
+          "outer all-reduce", "sent/rank", "host kept", "host link"]
 
 
 @dataclass(frozen=True)
 class Plan:
     """Per-rank memory and communication of each candidate; ``str()`` is the table.
 
-    ``chosen`` / ``runner_up``: with a budget, the candidate fitting it that sends the fewest
+    ``chosen`` / ``runner_up``: with a budget, the candidate fitting it that moves the fewest
     bytes (ties: the smaller peak) and the next one (None if only one fits)."""
 
     candidates: tuple
@@ -98,13 +143,16 @@ class Plan:
         raise KeyError(f"no candidate named {name!r}; candidates: {[c.name for c in self.candidates]}.")
 
     def __str__(self) -> str:
-        rows = [HEADER] + [c.row() for c in self.candidates]
-        widths = [max(len(r[i]) for r in rows) for i in range(len(HEADER))]
+        with_activations = any(c.activation_bytes is not None for c in self.candidates)
+        rows = [HEADER + (["peak +act"] if with_activations else [])] + [c.row() for c in self.candidates]
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(r, widths)))
                  for r in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
         lines.append(f"per rank, one step of {self.micro_batches} micro-batch(es), {self.optimizer}; "
-                     "collectives: calls / bytes covered; sent/rank: ring algorithms; activations not included")
+                     "collectives: calls / bytes covered; sent/rank: ring algorithms; host link: offload's "
+                     "copies per step; " + ("peak +act: with the given activations"
+                                            if with_activations else "activations not included"))
         if self.budget_bytes is not None:
             lines.append(f"budget {format_bytes(self.budget_bytes)}: chosen {self.chosen.name}"
                          + (f", runner-up {self.runner_up.name}" if self.runner_up else ""))

@@ -42,19 +42,23 @@ class AutoStrategy:
             ``budget_bytes=None`` only).
         optimizer: ``"adam"``, ``"adamw"``, ``"sgd_momentum"`` or ``"sgd"`` (its state is planned).
         micro_batches: per optimizer step.
+        activation_bytes: the model's activation peak, measured without any wrapper: plans are
+            then compared by their peak with activations (``plan``'s ``activation_bytes``), so
+            ``activation_reserve_bytes`` can be 0.
     """
 
     budget_bytes: Optional[int] = None
     activation_reserve_bytes: int = 0
     optimizer: str = "adam"
     micro_batches: int = 1
+    activation_bytes: Optional[int] = None
 
     def __post_init__(self) -> None:
-        for name in ("budget_bytes", "activation_reserve_bytes", "micro_batches"):
+        for name in ("budget_bytes", "activation_reserve_bytes", "micro_batches", "activation_bytes"):
             value = getattr(self, name)
-            if value is None and name == "budget_bytes":
+            if value is None and name in ("budget_bytes", "activation_bytes"):
                 continue
-            low = 1 if name != "activation_reserve_bytes" else 0
+            low = 1 if name in ("budget_bytes", "micro_batches") else 0
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"AutoStrategy.{name} must be an int >= {low}, got {value!r}.")
         if self.optimizer not in OPTIMIZER_STATE_COPIES:
@@ -88,18 +92,20 @@ def _agreed_budget(options: AutoStrategy, comms: list, device: torch.device) -> 
 
 def resolve_auto_strategy(module: nn.Module, options: AutoStrategy, comm, replicas, device: torch.device,
                           unit_modules, mixed_precision, reduce_root_per_child: bool,
-                          broadcast_buffers: bool) -> ShardingStrategy:
-    """The strategy with the fewest bytes sent per step whose planned memory fits (auto.py)."""
+                          broadcast_buffers: bool, offload=None, persistent_grads: bool = False) -> ShardingStrategy:
+    """The strategy with the fewest bytes moved per step whose planned memory fits (auto.py), with
+    the ``offload`` policy fully_shard was given."""
     budget = _agreed_budget(options, [comm, replicas], device)
     shape = None if replicas is None else (replicas.size, comm.size)
     world = comm.size * (1 if replicas is None else replicas.size)
     candidates = plan_candidates(module, STRATEGY_NAMES, world, shape, mixed_precision, options.optimizer,
                                  options.micro_batches, unit_modules, device.type, reduce_root_per_child,
-                                 broadcast_buffers)
+                                 broadcast_buffers, offload=offload, activation_bytes=options.activation_bytes,
+                                 persistent_grads=persistent_grads)
     chosen, runner_up = choose(candidates, budget)
     if comm.rank == 0 and (replicas is None or replicas.rank == 0):
         def describe(c):
-            return f"{c.name} (peak {format_bytes(c.peak_bytes)}, sends {format_bytes(c.wire_bytes)}/step)"
+            return f"{c.name} (peak {format_bytes(c.fit_bytes)}, sends {format_bytes(c.wire_bytes)}/step)"
         logger.info("megatron_fsdp_v2: sharding_strategy='auto' chose %s within %s per rank; runner-up: %s",
                     describe(chosen), format_bytes(budget), describe(runner_up) if runner_up else "none fits")
     return get_strategy(chosen.strategy)

@@ -28,28 +28,53 @@ __all__ = ["microbatch_trace", "step_temporaries", "step_comm", "ring_bytes"]
 
 
 class _Trace:
-    """Events tagged with what they hold: ``weights``, ``reduce_input`` or ``held_grads``."""
+    """Events tagged with what they hold: ``weights``, ``reduce_input``, ``held_grads`` or (traced
+    for plan/phases.py only) ``grad_buffer``: gradient buffers made again after ``zero_grad`` freed
+    them (DDP/ZeRO-1 at a group's first gradient, ZeRO-2/3 when its first reduce is issued)."""
 
     def __init__(self) -> None:
         self.events: list = []
-        self.live: dict = {}
+        self.live: dict = {}          # key -> (kind, bytes)
+        self._bytes: dict = {}        # key -> bytes of its last allocation
+        self.marks: dict = {}         # name -> how many events had happened when the schedule first passed it
 
     def alloc(self, key, nbytes: int, kind: str) -> None:
         if key not in self.live:
-            self.live[key] = kind
+            self.live[key] = (kind, nbytes)
+            self._bytes[key] = nbytes
             self.events.append(("alloc", key, nbytes, kind))
 
     def free(self, key) -> None:
         if key in self.live:
-            self.events.append(("free", key, self.live.pop(key)))
+            self.events.append(("free", key, self.live.pop(key)[0]))
+
+    def mark(self, name: str) -> None:
+        """Name this moment of the schedule (its first pass only)."""
+        self.marks.setdefault(name, len(self.events))
+
+    def live_between(self, start: str, end: str, kinds: tuple) -> tuple:
+        """(bytes of ``kinds`` live at mark ``start``, their most between ``start`` and ``end``)."""
+        live = at_start = most = 0
+        for index, event in enumerate(self.events + [None]):
+            if index == self.marks[start]:
+                at_start = most = live
+            if index == self.marks[end] or event is None:
+                break
+            if event[-1] in kinds:
+                live += event[2] if event[0] == "alloc" else -self._bytes[event[1]]
+                if index >= self.marks[start]:
+                    most = max(most, live)
+        return at_start, most
 
     def allocator_events(self) -> list:
         """The trace as the allocator records it (autograd's held gradients left out)."""
-        keep = [e for e in self.events if e[-1] != "held_grads"]
+        keep = [e for e in self.events if e[-1] in ("weights", "reduce_input")]
         return [("alloc", e[1], e[2]) if e[0] == "alloc" else ("free", e[1]) for e in keep]
 
     def all_events(self) -> list:
-        return [("alloc", e[1], e[2]) if e[0] == "alloc" else ("free", e[1]) for e in self.events]
+        """Every temporary (not the gradient buffers)."""
+        keep = [e for e in self.events if e[-1] != "grad_buffer"]
+        return [("alloc", e[1], e[2]) if e[0] == "alloc" else ("free", e[1]) for e in keep]
 
 
 def _weights(trace: _Trace, unit: PlannedUnit, alloc: bool) -> None:
@@ -73,8 +98,9 @@ def _forward(trace: _Trace, units: list, prefetch: bool) -> None:
 class _Reducer:
     """The engine's one reduce in flight: waiting for it frees its input."""
 
-    def __init__(self, trace: _Trace, strategy: ShardingStrategy) -> None:
+    def __init__(self, trace: _Trace, strategy: ShardingStrategy, grad_buffers: bool) -> None:
         self.trace, self.strategy, self.in_flight = trace, strategy, None
+        self.grad_buffers = grad_buffers
 
     def wait(self) -> None:
         if self.in_flight is not None:
@@ -85,6 +111,11 @@ class _Reducer:
         if self.strategy.grads_sharded:
             self.wait()
             self.trace.alloc((group.tag, "held"), group.held_grad_bytes, "held_grads")
+        elif self.grad_buffers:
+            self._grad_buffer(group, group.layout.total_numel)
+
+    def _grad_buffer(self, group, numel: int) -> None:
+        self.trace.alloc((group.tag, "grad_buffer"), numel * group.dtypes.grad.itemsize, "grad_buffer")
 
     def reduce(self, group) -> None:
         self.wait()
@@ -93,13 +124,16 @@ class _Reducer:
             key = (group.tag, "comm_grad")
             self.trace.alloc(key, group.reduce_input_bytes, "reduce_input")
             self.in_flight = key
+        if self.grad_buffers and self.strategy.grads_sharded:   # the first reduce after zero_grad writes a new shard
+            self._grad_buffer(group, group.layout.shard_numel)
         self.trace.free((group.tag, "held"))
 
 
-def _backward(trace: _Trace, units: list, strategy: ShardingStrategy, reduces: bool, prefetch: bool) -> None:
+def _backward(trace: _Trace, units: list, strategy: ShardingStrategy, reduces: bool, prefetch: bool,
+              grad_buffers: bool = False) -> None:
     sharded = strategy.weights_sharded
     root, rest = units[0], units[1:]
-    reducer = _Reducer(trace, strategy)
+    reducer = _Reducer(trace, strategy, grad_buffers)
     root_grads = [g for g in root.groups if g.requires_grad]
     if sharded:
         _weights(trace, root, True)
@@ -111,6 +145,9 @@ def _backward(trace: _Trace, units: list, strategy: ShardingStrategy, reduces: b
             _weights(trace, unit, True)
             if prefetch and i > 0:
                 _weights(trace, rest[i - 1], True)
+        trace.mark("backward_start")          # the last unit's backward has begun (phases.py)
+        if i == len(rest) - 2:
+            trace.mark("previous_unit_grads")  # its first gradient arrives (the last unit's reduce waited)
         grad_groups = [g for g in unit.groups if g.requires_grad]
         for j, group in enumerate(grad_groups):
             reducer.first_grad(group)
@@ -119,6 +156,8 @@ def _backward(trace: _Trace, units: list, strategy: ShardingStrategy, reduces: b
             if sharded and j == len(grad_groups) - 1:
                 _weights(trace, unit, False)
             reducer.reduce(group)
+    trace.mark("backward_start")              # (a model with no unit below the root)
+    trace.mark("previous_unit_grads")         # (or one unit only)
     if reduces or strategy.reduce_every_microbatch:
         for group in root_grads:
             if sharded and len(root.groups) > 1:
@@ -131,13 +170,15 @@ def _backward(trace: _Trace, units: list, strategy: ShardingStrategy, reduces: b
 
 
 def microbatch_trace(units: list, strategy: ShardingStrategy, shard_size: int, reduces: bool = True,
-                     first_iteration: bool = False) -> _Trace:
-    """One micro-batch's forward and backward ([Note: the planned schedule])."""
+                     first_iteration: bool = False, grad_buffers: bool = False) -> _Trace:
+    """One micro-batch's forward and backward ([Note: the planned schedule]); ``grad_buffers``:
+    trace DDP/ZeRO-1's gradient buffers too (freed by ``zero_grad``, made again at a first gradient)."""
     trace = _Trace()
     worth = shard_size > 1          # engine.Unit.worth_prefetching: no prefetch over a one-rank gather
     if strategy.weights_sharded:
         _forward(trace, units, prefetch=worth and not first_iteration)
-    _backward(trace, units, strategy, reduces, prefetch=worth)
+    trace.mark("forward_end")
+    _backward(trace, units, strategy, reduces, prefetch=worth, grad_buffers=grad_buffers)
     return trace
 
 

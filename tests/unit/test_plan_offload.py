@@ -1,0 +1,216 @@
+"""``plan`` with bf16 compute and CPU offload against what the engine really holds: every storage
+alive after the step (not only ``persistent_bytes()``, which could share a mistake with the plan),
+device and host bytes by kind, the host-link copies of one step, and our bytes at the moments the
+activation-aware peak adds activations to ([Note: the peak with activations]); dp 1 and 2, every
+strategy, offload fractions 0, 0.5 and 1; and the choice among offload fractions."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import gc
+
+import pytest
+import torch
+import torch.distributed.tensor
+from torch.distributed.device_mesh import DeviceMesh
+
+from megatron_fsdp_v2 import STRATEGY_NAMES, MixedPrecisionPolicy, OffloadPolicy, fully_shard, plan
+from megatron_fsdp_v2.offload import HostLink
+from megatron_fsdp_v2.row_sharded import local_piece
+
+from .dist_utils import run_distributed
+from .models import Block, UnevenNet, make_batches
+
+K = 2
+FRACTIONS = (0.0, 0.5, 1.0)
+POLICY = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+HOST = ("host_main_weights", "host_grads", "host_grad_staging")
+
+
+def _storages() -> dict:
+    """data_ptr -> bytes of every tensor storage Python can reach (DTensors: their local piece),
+    but a DeviceMesh's own rank table."""
+    out, meshes = {}, []
+    for obj in gc.get_objects():
+        if isinstance(obj, DeviceMesh):
+            meshes.append(obj.mesh.untyped_storage().data_ptr())
+        if type(obj) in (torch.Tensor, torch.nn.Parameter) or isinstance(obj, torch.distributed.tensor.DTensor):
+            tensor = getattr(obj, "_local_tensor", obj)
+            if tensor.device.type != "meta" and tensor.untyped_storage().nbytes():
+                out[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+    for ptr in meshes:
+        out.pop(ptr, None)
+    return out
+
+
+def _count_copies(counts: dict):
+    """HostLink.copy, counting (calls, bytes) of what crosses: gradients landing on the host during
+    backward, weights sent back after the optimizer's step (its own post-hook flips ``after_step``
+    before the engine's global one uploads)."""
+    original = HostLink.copy
+
+    def copy(self, dst, make_src):
+        src = make_src()
+        kind = counts["h2d_weights" if counts["after_step"] else "d2h_grads"]
+        kind["count"] += 1
+        kind["bytes"] += src.numel() * src.element_size()
+        return original(self, dst, lambda: src)
+    return copy
+
+
+def _state_bytes(model, opt) -> tuple:
+    """(device, host) optimizer-state bytes, by where each group's main weights live."""
+    device = host = 0
+    for group in model._fsdp_engine.groups:
+        for main in group.main_params:
+            nbytes = sum(local_piece(t).numel() * t.element_size() for key, t in opt.state.get(main, {}).items()
+                         if key != "step")
+            if group.offloaded is None:
+                device += nbytes
+            else:
+                host += nbytes
+    return device, host
+
+
+def _step(model, opt, rank, step, k):
+    for i, (x, y) in enumerate(make_batches(step, rank, k)):
+        with model.no_sync() if i < k - 1 else contextlib.nullcontext():
+            ((model(x.bfloat16()).float() - y) ** 2).mean().backward()
+    opt.step()
+
+
+def _measure(rank, strategy, fraction, before):
+    """Step 2 of K micro-batches: kinds, real storage (above ``before``), copies."""
+    torch.manual_seed(0)
+    model = fully_shard(UnevenNet(), sharding_strategy=strategy, unit_modules=[Block], mixed_precision=POLICY,
+                        offload=OffloadPolicy(fraction=fraction))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    counts = {"after_step": False, "d2h_grads": {"count": 0, "bytes": 0}, "h2d_weights": {"count": 0, "bytes": 0}}
+    _step(model, opt, rank, 0, K)
+    opt.zero_grad()
+    opt.register_step_post_hook(lambda *args: counts.__setitem__("after_step", True))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(HostLink, "copy", _count_copies(counts))
+        _step(model, opt, rank, 1, K)
+    gc.collect()
+    steps = sum(s["step"].numel() * s["step"].element_size() for s in opt.state.values())
+    real = sum(nbytes for ptr, nbytes in _storages().items() if ptr not in before) - steps
+    device_state, host_state = _state_bytes(model, opt)
+    counts.pop("after_step")
+    out = {"kept": model.persistent_bytes(), "state": (device_state, host_state), "real": real, "copies": counts}
+    del model, opt
+    gc.collect()
+    return out
+
+
+def _worker(rank, world_size):
+    """Every case after a first one (whatever torch makes once per process), above one baseline:
+    each case frees its model, so a storage not in the baseline is the case's own."""
+    gc.collect()
+    _measure(rank, "optim_grads_params", 1.0, _storages())
+    before = _storages()
+    return {(s, f): _measure(rank, s, f, before) for s in STRATEGY_NAMES for f in FRACTIONS}
+
+
+@functools.lru_cache(maxsize=None)
+def _measured(world_size):
+    return run_distributed(_worker, world_size)
+
+
+def _planned(world_size, strategy, fraction, micro_batches=K, **kwargs):
+    with torch.device("meta"):
+        model = UnevenNet()
+    return plan(model, strategy, world_size=world_size, unit_modules=[Block], mixed_precision=POLICY,
+                optimizer="adamw", micro_batches=micro_batches, device="cpu",
+                offload=OffloadPolicy(fraction=fraction), **kwargs).candidates[0]
+
+
+CASES = [(w, s, f) for w in (1, 2) for s in STRATEGY_NAMES for f in FRACTIONS]
+
+
+@pytest.mark.parametrize("world_size,strategy,fraction", CASES, ids=[f"dp{w}-{s}-f{f:g}" for w, s, f in CASES])
+def test_plan_equals_real_storage_and_host_bytes_with_bf16_and_offload(world_size, strategy, fraction):
+    planned = _planned(world_size, strategy, fraction)
+    for rank, results in enumerate(_measured(world_size)):
+        got, want = results[(strategy, fraction)], planned.ranks[rank]
+        kept = got["kept"]
+        assert {k: kept[k] for k in ("model_weights", "main_weights", "grads")} == \
+               {k: want[k] for k in ("model_weights", "main_weights", "grads")}, rank
+        assert {k: kept.get(k, 0) for k in HOST} == {k: want[k] for k in HOST}, rank
+        assert got["state"] == (want["optimizer_state"], want["host_optimizer_state"]), rank
+        # every byte alive after the step (device and host are one memory on CPU)
+        assert got["real"] == want["total"] + want["host_total"], rank
+        assert got["copies"] == planned.transfers, rank
+
+
+def test_offload_rows_and_the_choice_among_fractions():
+    fractions = (0, 0.5, 1)
+    with torch.device("meta"):
+        model = UnevenNet()
+    kwargs = dict(world_size=2, unit_modules=[Block], mixed_precision=POLICY, optimizer="adamw", device="cpu")
+    every = plan(model, offload_fractions=fractions, **kwargs)
+    assert [c.name for c in every.candidates[:3]] == ["no_shard", "no_shard offload 0.5", "no_shard offload 1"]
+    zero3 = every["optim_grads_params offload 1"]
+    assert zero3.ranks[0]["main_weights"] == zero3.ranks[0]["optimizer_state"] == zero3.ranks[0]["grads"] == 0
+    assert zero3.transfer_bytes > 0 and zero3.moved_bytes == zero3.wire_bytes + zero3.transfer_bytes
+    # room for all: no offload (it only adds copies); a budget only offloaded plans fit: the one moving least
+    assert plan(model, offload_fractions=fractions, budget_bytes=10 ** 9, **kwargs).chosen.name == "optim"
+    unoffloaded = min(c.fit_bytes for c in every.candidates if c.offload_fraction is None)
+    tight = plan(model, offload_fractions=fractions, budget_bytes=unoffloaded - 1, **kwargs)
+    fitting = [c for c in every.candidates if c.fit_bytes < unoffloaded]
+    assert tight.chosen.offload_fraction is not None
+    assert tight.chosen.moved_bytes == min(c.moved_bytes for c in fitting)
+    with pytest.raises(ValueError, match="offload and offload_fractions: give one"):
+        plan(model, offload=OffloadPolicy(fraction=1.0), offload_fractions=fractions, **kwargs)
+    with pytest.raises(ValueError, match="OffloadPolicy.fraction must be a number with 0 <= fraction <= 1, got 2"):
+        plan(model, offload_fractions=(0, 2), **kwargs)
+    with pytest.raises(ValueError, match=r"offload with hybrid sharding is not supported.*hybrid_shape \(2, 1\)"):
+        plan(model, offload=OffloadPolicy(fraction=1.0), **{**kwargs, "hybrid_shape": (2, 1)})
+    with pytest.raises(ValueError, match="activation_bytes must be None or a number of bytes >= 0, got -1"):
+        plan(model, activation_bytes=-1, **kwargs)
+
+
+# -- the moments the peak with activations adds them to ----------------------------------------
+
+def _ours(model, opt) -> int:
+    """Our device bytes now: kept buffers, optimizer state, live allocator buffers."""
+    return model.persistent_bytes()["total"] + _state_bytes(model, opt)[0] + model._fsdp_engine.allocator.live_bytes
+
+
+def _phase_worker(rank, world_size):
+    """One micro-batch per step; our bytes at forward end, when the unit before the last gets its
+    first gradient (``scale``'s: autograd accumulates leaves first; our hook runs after this one)
+    and after the step."""
+    out = {}
+    for strategy in STRATEGY_NAMES:
+        torch.manual_seed(0)
+        net = UnevenNet()
+        seen = {}
+        net.blocks[-2].scale.register_post_accumulate_grad_hook(
+            lambda p: seen.setdefault("last_unit_backward", _ours(model, opt)) and None)
+        model = fully_shard(net, sharding_strategy=strategy, unit_modules=[Block], mixed_precision=POLICY)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for step in range(3):
+            seen.clear()
+            (x, y), = make_batches(step, rank, 1)
+            loss = ((model(x.bfloat16()).float() - y) ** 2).mean()
+            seen["forward_end"] = _ours(model, opt)
+            loss.backward()
+            opt.step()
+            seen["step"] = _ours(model, opt)
+            opt.zero_grad()
+        out[strategy] = dict(seen)
+        del model, opt, net
+    return out
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_phases_equal_our_bytes_at_those_moments(world_size):
+    results = run_distributed(_phase_worker, world_size)
+    for strategy in STRATEGY_NAMES:
+        planned = _planned(world_size, strategy, 0.0, micro_batches=1, activation_bytes=10 ** 6)
+        for rank, got in enumerate(results):
+            assert got[strategy] == planned.phases, (strategy, rank)
+        assert planned.peak_with_activations == max(planned.phases["last_unit_backward"] + 10 ** 6,
+                                                    planned.phases["step"], planned.peak_bytes)

@@ -75,6 +75,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     g.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     g.add_argument("--reduce-root-per-child", action="store_true")
     g.add_argument("--budget-gib", type=float, default=None, help="choose as sharding_strategy='auto' would")
+    g.add_argument("--offload-fractions", default="",
+                   help="comma list of CPU offload fractions to plan as well (OffloadPolicy(fraction=f)); 0 = none")
+    g.add_argument("--activation-gib", type=float, default=None,
+                   help="the activation peak of one forward and backward without any wrapper: adds the peak "
+                        "with activations (and the budget check uses it)")
     return p.parse_args(argv)
 
 
@@ -105,15 +110,29 @@ def _torch_model(args):
     return model, units, policy
 
 
+def _fractions(text: str):
+    """``--offload-fractions``: None (no offload planned) or the fractions, 0 always among them."""
+    if not text.strip():
+        return None
+    try:
+        values = [float(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise SystemExit(f"--offload-fractions must be comma-separated numbers in [0, 1], got {text!r}") from None
+    return sorted({0.0, *values})
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     model, units, policy = _torch_model(args) if args.model else _megatron_model(args)
     budget = None if args.budget_gib is None else int(args.budget_gib * (1 << 30))
+    fractions = _fractions(args.offload_fractions)
+    activations = None if args.activation_gib is None else int(args.activation_gib * (1 << 30))
     result = plan(model, args.strategies.split(","), world_size=args.world_size,
                   hybrid_shape=[None, *args.hybrid], mixed_precision=policy, optimizer=args.optimizer,
                   micro_batches=args.micro_batches, unit_modules=units, device=args.device,
                   reduce_root_per_child=args.reduce_root_per_child,
-                  broadcast_buffers=bool(args.model), budget_bytes=budget)
+                  broadcast_buffers=bool(args.model), budget_bytes=budget,
+                  offload_fractions=fractions, activation_bytes=activations)
     params = sum(p.numel() for p in model.parameters())
     print(f"{type(model).__name__}: {params / 1e6:.1f}M parameters, world size {args.world_size}")
     print(result)

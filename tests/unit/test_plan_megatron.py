@@ -102,3 +102,25 @@ def test_plan_command_for_a_torch_model_by_import_path(capsys):
     assert out.rstrip().endswith("budget 1.00 GiB: chosen optim, runner-up optim_grads")
     with pytest.raises(SystemExit, match="missing: --num-layers"):
         main(["--hidden-size", "8"])
+
+
+def test_plan_command_plans_offload_fractions_and_activations(capsys):
+    import torch
+
+    from megatron_fsdp_v2 import plan
+    from megatron_fsdp_v2.plan.__main__ import main
+    from tests.unit.models import Block, UnevenNet
+
+    main(["--model", "tests.unit.models:UnevenNet", "--unit-modules", "tests.unit.models:Block", "--world-size", "2",
+          "--device", "cpu", "--strategies", "optim_grads_params", "--offload-fractions", "1,0.5",
+          "--activation-gib", "0.25"])
+    out = capsys.readouterr().out
+    labels = [" ".join(line.split()[:3]) for line in out.splitlines()[3:6]]
+    assert labels[1:] == ["optim_grads_params offload 0.5", "optim_grads_params offload 1"], out
+    with torch.device("meta"):
+        net = UnevenNet()
+    want = plan(net, "optim_grads_params", world_size=2, unit_modules=[Block], device="cpu",
+                offload_fractions=[0.0, 0.5, 1.0], activation_bytes=1 << 28, broadcast_buffers=True)
+    assert str(want) in out
+    with pytest.raises(SystemExit, match="--offload-fractions must be comma-separated numbers"):
+        main(["--model", "tests.unit.models:UnevenNet", "--offload-fractions", "half"])

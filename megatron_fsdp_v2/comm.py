@@ -43,6 +43,16 @@ class PendingCollective(NamedTuple):
     on_complete: Callable[[], None]
 
 
+def wait_pending(pending: Optional[PendingCollective]) -> None:
+    """Wait for every Work of ``pending`` (one or a list; None: nothing issued), then run its
+    ``on_complete``."""
+    if pending is None:
+        return
+    for work in (pending.work if isinstance(pending.work, list) else [pending.work]):
+        if work is not None:
+            work.wait()
+    pending.on_complete()
+
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
 

@@ -285,7 +285,7 @@ class Engine:
         if self.backward_pass.reduces and group.all_grads_ready():
             # Reshard first: the unit's weights are done, and their memory is then free for the
             # reduce's dtype cast (keeps ZeRO-3 backward within 2 weight buffers + 1 grad buffer).
-            others_done = all(g is group or not g.requires_grad or g.reduced_this_backward for g in unit.groups)
+            others_done = all(g is group or not any(g.trainable) or g.reduced_this_backward for g in unit.groups)
             if self.strategy.weights_sharded and not unit.is_root and others_done:
                 unit.reshard()
             elif self.strategy.weights_sharded and unit.is_root and len(unit.groups) > 1:

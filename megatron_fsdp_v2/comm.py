@@ -21,7 +21,7 @@ collective, again with an event. So:
 * the host never blocks: there is no ``torch.cuda.synchronize()`` in the schedule.
 On CPU (gloo) the same calls run with gloo's own threads; the code path is identical.
 
-Which strategy calls which collective is decided by ``strategy.py`` and ``param_group.py``,
+Which strategy calls which collective is decided by ``strategy.py``, ``param_group.py`` and ``group_reduce.py``,
 never here: the collective functions do not know which strategy calls them.
 """
 

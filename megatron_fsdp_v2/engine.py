@@ -523,8 +523,9 @@ class Engine:
         """Honour ``requires_grad_()`` called after wrapping, on either copy of a parameter.
 
         The module's parameter and the optimizer-facing main parameter are kept equal: whichever
-        changed since the last forward wins. A frozen parameter gets no gradient, so no rank adds
-        to its reduced piece and its ``.grad`` stays None: optimizers skip it."""
+        changed since the last forward wins. A frozen parameter gets no gradient and keeps ``.grad``
+        None (optimizers skip it); its group reduces only the parameters still trainable
+        (trainable_pack.py, [Note: reducing what requires grad])."""
         for group in self.groups:
             for index, (param, main) in enumerate(zip(group.params, group.main_params)):
                 was = group.trainable[index]

@@ -32,6 +32,9 @@ class GroupReduce:
         """
         if not self.requires_grad or not self.has_unreduced_grads:
             return None
+        if not any(self.trainable):          # frozen since these local sums were made: nothing to reduce
+            self._drop_unreduced()
+            return None
         pack = self.trainable_pack          # some parameters frozen since wrapping: reduce the rest only
         full, release_input = self._grad_comm_input(pack)
         if self.levels is not None:
@@ -45,6 +48,20 @@ class GroupReduce:
         self.awaiting_replica_reduce = True      # hybrid sharding: the outer average is still to come
         self.grads_ready = [False] * len(self.params)
         return PendingCollective(work, on_complete)
+
+    def _drop_unreduced(self) -> None:
+        """Forget local gradients no parameter of the group needs any more (all frozen after they
+        were accumulated: freezing between the micro-batches of one step). Their ``.grad`` stays
+        None; ZeRO-1 puts back the mean an earlier backward of the step left in its region."""
+        self._unreduced.clear()
+        if self._stash is not None:
+            start, end = self.layout.shard_range(self.comm.rank)
+            with torch.no_grad():
+                self.full_grad[start:end].copy_(self._stash)
+            self._release_stash()
+            self._own_region_holds_mean = True
+        self.has_unreduced_grads = False
+        self.grads_ready = [False] * len(self.params)
 
     def _reduce_blocks(self, full: torch.Tensor, release_input, divide_factor: float):
         """HFSDP: N_out inner reduce-scatters into the inner gradient shard (replicas.py)."""
@@ -173,7 +190,7 @@ class GroupReduce:
     def trainable_pack(self) -> Optional[TrainablePack]:
         """Where the parameters still trainable go in a packed reduce, or None: reduce the whole
         buffer (every parameter trainable, or HFSDP) ([Note: reducing what requires grad])."""
-        if self.levels is not None:
+        if self.levels is not None or all(self.trainable):
             return None
         return trainable_pack(self.layout, tuple(self.trainable), self.strategy.grad_reduce_op == "reduce_scatter",
                               self.comm.rank)

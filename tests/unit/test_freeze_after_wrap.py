@@ -82,18 +82,21 @@ def run_step(model, opt, step, rank, width, reduce_grads=None):
     if hasattr(model, "comm_stats"):
         stats = model.comm_stats()
         reduced = {kind: (stats[kind]["count"], stats[kind]["bytes"]) for kind in ("reduce_scatter", "all_reduce")}
+        if "across_replicas" in stats:
+            reduced["across_replicas"] = (stats["across_replicas"]["all_reduce"]["count"],
+                                          stats["across_replicas"]["all_reduce"]["bytes"])
     grads_none = [name for name, p in model.named_parameters() if p.grad is None]
     opt.step()
     opt.zero_grad()
     return reduced, grads_none
 
 
-def wrapped(model_cls, unit, strategy, freeze_before: bool):
+def wrapped(model_cls, unit, strategy, freeze_before: bool, process_group=None):
     torch.manual_seed(0)
     net = model_cls()
     if freeze_before:
         set_weights_trainable(net, False)
-    model = fully_shard(net, sharding_strategy=strategy, unit_modules=[unit])
+    model = fully_shard(net, sharding_strategy=strategy, unit_modules=[unit], process_group=process_group)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
 
@@ -184,6 +187,43 @@ def test_freezing_after_wrap_reduces_what_requires_grad(strategy, model_name):
             assert reduced == expected(strategy, model_name, frozen=False), (rank, step)
             assert grads_none == []
         assert out["vs_torch"] < 1e-5, (rank, out["vs_torch"])
+
+
+def hybrid_worker(rank, world_size):
+    """2 replicas x 2 shards, EvenNet, every strategy: the model frozen after wrapping moves the bytes
+    of the model frozen before wrapping inside the shard group and across the replicas, and trains
+    bitwise like it."""
+    outer, inner = _hybrid_groups()
+    out = {}
+    for strategy in STRATEGY_NAMES:
+        before, before_opt = wrapped(EvenNet, Layer, strategy, True, (outer, inner))
+        after, after_opt = wrapped(EvenNet, Layer, strategy, False, (outer, inner))
+        set_weights_trainable(after, False)
+        for step in range(FROZEN_STEPS):
+            out[(strategy, step)] = (run_step(before, before_opt, step, rank, 8)[0],
+                                     run_step(after, after_opt, step, rank, 8)[0])
+        out[(strategy, "diff")] = max(float((a - b).abs().max()) for a, b in
+                                      zip(after.full_state_dict().values(), before.full_state_dict().values()))
+    return out
+
+
+def _hybrid_groups():
+    """(outer, inner) at 4 ranks: inner {0, 1} {2, 3}, outer {0, 2} {1, 3} (every rank makes every group)."""
+    rank = dist.get_rank()
+    inners = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    outers = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    return outers[rank % 2], inners[rank // 2]
+
+
+def test_hybrid_sharding_freezing_after_wrap_moves_the_bytes_of_freezing_before():
+    for out in run_distributed(hybrid_worker, 4):
+        for strategy in STRATEGY_NAMES:
+            for step in range(FROZEN_STEPS):
+                before, after = out[(strategy, step)]
+                assert after == before, (strategy, step)
+                # one outer all-reduce per trainable group: DDP all 24 packed biases, else its chunk of 12
+                assert after["across_replicas"] == (2, 2 * 4 * (24 if strategy == "no_shard" else 12)), strategy
+            assert out[(strategy, "diff")] == 0.0, strategy
 
 
 def test_pack_layout():

@@ -269,8 +269,9 @@ class Engine:
     def _optimizer_cleared_grads(self) -> bool:
         """``optimizer.zero_grad(set_to_none=True)`` left ``.grad`` None: start a fresh accumulation.
 
-        Parameters whose ``.grad`` is None because nobody used them do not count."""
-        return any(main.grad is None and group.got_grad[index]
+        Parameters whose ``.grad`` is None because nobody used them, or because they were frozen
+        since wrapping (attach_main_grads leaves theirs None), do not count."""
+        return any(main.grad is None and group.got_grad[index] and group.trainable[index]
                    for group in self.groups if group.requires_grad
                    for index, main in enumerate(group.main_params))
 

@@ -68,12 +68,13 @@ def set_weights_trainable(model, trainable: bool) -> None:
             param.requires_grad_(trainable)
 
 
-def run_step(model, opt, step, rank, width, reduce_grads=None):
+def run_step(model, opt, step, rank, width, reduce_grads=None, no_sync_first=True, set_to_none=True):
     """One step of K micro-batches; returns the gradient reduces of its backwards by kind."""
     if hasattr(model, "reset_comm_stats"):
         model.reset_comm_stats()
     for i, (x, y) in enumerate(batches(step, rank, width)):
-        sync = model.no_sync() if (i < K - 1 and hasattr(model, "no_sync")) else contextlib.nullcontext()
+        use_no_sync = no_sync_first and i < K - 1 and hasattr(model, "no_sync")
+        sync = model.no_sync() if use_no_sync else contextlib.nullcontext()
         with sync:
             ((model(x) - y) ** 2).mean().backward()
     if reduce_grads is not None:
@@ -87,7 +88,7 @@ def run_step(model, opt, step, rank, width, reduce_grads=None):
                                           stats["across_replicas"]["all_reduce"]["bytes"])
     grads_none = [name for name, p in model.named_parameters() if p.grad is None]
     opt.step()
-    opt.zero_grad()
+    opt.zero_grad(set_to_none=set_to_none)
     return reduced, grads_none
 
 
@@ -100,9 +101,9 @@ def wrapped(model_cls, unit, strategy, freeze_before: bool, process_group=None):
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
 
-def torch_reference(rank, world_size, model_cls, width, steps):
-    """Plain torch on every rank, gradients averaged by hand: weights frozen for FROZEN_STEPS
-    steps, then trainable (AdamW skips a parameter whose .grad is None, as on ours)."""
+def torch_reference(rank, world_size, model_cls, width, weights_trainable):
+    """Plain torch on every rank, gradients averaged by hand, the weights trainable or frozen per
+    step as ``weights_trainable`` says (AdamW skips a parameter whose .grad is None, as on ours)."""
     torch.manual_seed(0)
     net = model_cls()
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.1)
@@ -112,8 +113,8 @@ def torch_reference(rank, world_size, model_cls, width, steps):
             if p.grad is not None:
                 dist.all_reduce(p.grad)
                 p.grad.div_(world_size)
-    for step in range(steps):
-        set_weights_trainable(net, step >= FROZEN_STEPS)
+    for step, trainable in enumerate(weights_trainable):
+        set_weights_trainable(net, trainable)
         run_step(net, opt, step, rank, width, reduce_grads=average)
     return {n: p.detach().clone() for n, p in net.state_dict().items()}
 
@@ -137,7 +138,7 @@ def freeze_worker(rank, world_size, strategy, model_name):
     set_weights_trainable(after, True)                       # unfreeze: the whole reduction again
     for step in range(FROZEN_STEPS, 2 * FROZEN_STEPS):
         out[("unfrozen", step)] = run_step(after, after_opt, step, rank, width)
-    reference = torch_reference(rank, world_size, model_cls, width, 2 * FROZEN_STEPS)
+    reference = torch_reference(rank, world_size, model_cls, width, [False] * FROZEN_STEPS + [True] * FROZEN_STEPS)
     state = after.full_state_dict()
     out["vs_torch"] = max(float((state[n] - reference[n]).abs().max()) for n in reference)
     return out
@@ -187,6 +188,28 @@ def test_freezing_after_wrap_reduces_what_requires_grad(strategy, model_name):
             assert reduced == expected(strategy, model_name, frozen=False), (rank, step)
             assert grads_none == []
         assert out["vs_torch"] < 1e-5, (rank, out["vs_torch"])
+
+
+def kept_grads_worker(rank, world_size):
+    """``zero_grad(set_to_none=False)`` and two synchronized backwards a step, the weights trained,
+    frozen for two steps, trained again: as torch (a frozen weight's .grad None must not read as
+    the optimizer having dropped the gradients, which would discard the first backward's)."""
+    schedule = [True, False, False, True]
+    reference = torch_reference(rank, world_size, UnevenNet, 7, schedule)
+    out = {}
+    for strategy in STRATEGY_NAMES:
+        model, opt = wrapped(UnevenNet, Block, strategy, freeze_before=False)
+        for step, trainable in enumerate(schedule):
+            set_weights_trainable(model, trainable)
+            run_step(model, opt, step, rank, 7, no_sync_first=False, set_to_none=False)
+        state = model.full_state_dict()
+        out[strategy] = max(float((state[n] - reference[n]).abs().max()) for n in reference)
+    return out
+
+
+def test_kept_grads_and_synchronized_backwards_train_as_torch():
+    for out in run_distributed(kept_grads_worker, 2):
+        assert all(diff < 1e-5 for diff in out.values()), out
 
 
 def hybrid_worker(rank, world_size):

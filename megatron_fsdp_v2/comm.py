@@ -21,7 +21,7 @@ collective, again with an event. So:
 * the host never blocks: there is no ``torch.cuda.synchronize()`` in the schedule.
 On CPU (gloo) the same calls run with gloo's own threads; the code path is identical.
 
-Which strategy calls which collective is decided by ``strategy.py`` and ``param_group.py``,
+Which strategy calls which collective is decided by ``strategy.py``, ``param_group.py`` and ``group_reduce.py``,
 never here: the collective functions do not know which strategy calls them.
 """
 
@@ -42,6 +42,16 @@ class PendingCollective(NamedTuple):
     work: object                      # torch.distributed Work or None (already complete)
     on_complete: Callable[[], None]
 
+
+def wait_pending(pending: Optional[PendingCollective]) -> None:
+    """Wait for every Work of ``pending`` (one or a list; None: nothing issued), then run its
+    ``on_complete``."""
+    if pending is None:
+        return
+    for work in (pending.work if isinstance(pending.work, list) else [pending.work]):
+        if work is not None:
+            work.wait()
+    pending.on_complete()
 
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")

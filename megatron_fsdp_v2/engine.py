@@ -269,8 +269,9 @@ class Engine:
     def _optimizer_cleared_grads(self) -> bool:
         """``optimizer.zero_grad(set_to_none=True)`` left ``.grad`` None: start a fresh accumulation.
 
-        Parameters whose ``.grad`` is None because nobody used them do not count."""
-        return any(main.grad is None and group.got_grad[index]
+        Parameters whose ``.grad`` is None because nobody used them, or because they were frozen
+        since wrapping (attach_main_grads leaves theirs None), do not count."""
+        return any(main.grad is None and group.got_grad[index] and group.trainable[index]
                    for group in self.groups if group.requires_grad
                    for index, main in enumerate(group.main_params))
 
@@ -285,7 +286,7 @@ class Engine:
         if self.backward_pass.reduces and group.all_grads_ready():
             # Reshard first: the unit's weights are done, and their memory is then free for the
             # reduce's dtype cast (keeps ZeRO-3 backward within 2 weight buffers + 1 grad buffer).
-            others_done = all(g is group or not g.requires_grad or g.reduced_this_backward for g in unit.groups)
+            others_done = all(g is group or not any(g.trainable) or g.reduced_this_backward for g in unit.groups)
             if self.strategy.weights_sharded and not unit.is_root and others_done:
                 unit.reshard()
             elif self.strategy.weights_sharded and unit.is_root and len(unit.groups) > 1:
@@ -523,8 +524,9 @@ class Engine:
         """Honour ``requires_grad_()`` called after wrapping, on either copy of a parameter.
 
         The module's parameter and the optimizer-facing main parameter are kept equal: whichever
-        changed since the last forward wins. A frozen parameter gets no gradient, so no rank adds
-        to its reduced piece and its ``.grad`` stays None: optimizers skip it."""
+        changed since the last forward wins. A frozen parameter gets no gradient and keeps ``.grad``
+        None (optimizers skip it); its group reduces only the parameters still trainable
+        (trainable_pack.py, [Note: reducing what requires grad])."""
         for group in self.groups:
             for index, (param, main) in enumerate(zip(group.params, group.main_params)):
                 was = group.trainable[index]

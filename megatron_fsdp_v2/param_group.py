@@ -13,7 +13,7 @@ A group owns, per ``strategy.py``'s table:
   them; otherwise, once the reduced gradients are attached as the optimizer's ``.grad``, those
   views alone hold the buffer (grad_buffer.py, [Note: gradient buffers live as long as .grad]).
 
-The engine (``engine.py``) decides *when* to call ``unshard`` / ``reshard`` / ``reduce_grad``;
+The engine (``engine.py``) decides *when* to call ``unshard`` / ``reshard`` / ``reduce_grad`` (group_reduce.py);
 this file decides *how*, from the table's booleans.
 """
 
@@ -25,28 +25,20 @@ import torch
 import torch.nn as nn
 
 from .allocators.base import Allocator
-from .comm import Communicator, PendingCollective
+from .comm import Communicator, PendingCollective, wait_pending as _wait
 from .grad_buffer import GradBuffer
 from .group_export import GroupExport
 from .group_offload import GroupOffload
+from .group_reduce import GroupReduce
 from .unreduced_grads import UnreducedGrads
 from .layout import FlatLayout, build_layout
 from .row_sharded import row_sharded
 from .mixed_precision import GroupDtypes
-from .replicas import gather_blocks, reduce_blocks
+from .replicas import gather_blocks
 from .strategy import ShardingStrategy
 
 
-def _wait(pending: Optional[PendingCollective]) -> None:
-    if pending is None:
-        return
-    for work in (pending.work if isinstance(pending.work, list) else [pending.work]):
-        if work is not None:
-            work.wait()
-    pending.on_complete()
-
-
-class ParamGroup(GroupExport, GroupOffload):
+class ParamGroup(GroupExport, GroupOffload, GroupReduce):
     """Flat main-weight, model-weight and grad buffers of a list of parameters."""
 
     def __init__(
@@ -373,119 +365,6 @@ class ParamGroup(GroupExport, GroupOffload):
         """Every parameter that may get a gradient (not frozen since wrapping) got this pass's."""
         return all(ready or not trainable for ready, trainable in zip(self.grads_ready, self.trainable))
 
-    def reduce_grad(self, divide_factor: float) -> Optional[PendingCollective]:
-        """Issue the reduce of this micro-batch's (or accumulated) local gradients over the
-        data-parallel group, asynchronously; the caller owns the returned handle and passes it to
-        ``finish_grad_reduce``. None when there is nothing to reduce.
-
-        Result: the sum over ranks divided by ``divide_factor`` (the data-parallel size: a mean)
-        lands in ``grad_shard`` (added to it: ZeRO-2/3 accumulate over micro-batches), or in
-        ``full_grad``'s shard range (ZeRO-1) or all of ``full_grad`` (DDP).
-        """
-        if not self.requires_grad or not self.has_unreduced_grads:
-            return None
-        full, release_input = self._grad_comm_input()
-
-        if self.levels is not None:
-            inner, outer = self.levels
-            inner_out = torch.empty(self.layout.shard_numel * outer.size, dtype=full.dtype, device=self.device)
-            works = reduce_blocks(inner, inner_out, full, self.layout.shard_numel, outer.size, f"grads of {self.name}")
-
-            def on_complete(inner_out=inner_out):
-                with torch.no_grad():
-                    release_input()
-                    if not self.strategy.grads_sharded:
-                        self.full_grad.zero_()          # ZeRO-1: its local sums moved into the inner shard
-                    if self._inner_grad is None:
-                        self._inner_grad = torch.zeros(inner_out.numel(), dtype=self.dtypes.grad, device=self.device)
-                    self._inner_grad.add_(inner_out.to(self._inner_grad.dtype), alpha=1.0 / divide_factor)
-            work = works
-        elif self.strategy.grad_reduce_op == "all_reduce":
-            work = self.comm.all_reduce(full, async_op=True, label=f"grads of {self.name}")
-
-            def on_complete(full=full):
-                with torch.no_grad():
-                    if full is not self.full_grad:
-                        self.full_grad.copy_(full)
-                    release_input()
-                    self.full_grad.div_(divide_factor)
-                    if self.offloaded is not None:
-                        self.offloaded.land_grads(self.full_grad, 1.0, overwrite=True)
-        else:
-            # ZeRO-2/3 with no reduced gradients yet (the first backward after zero_grad freed
-            # them): reduce straight into a new grad shard instead of a temporary beside it.
-            into_shard = (self.strategy.grads_sharded and self.grads.live() is None
-                          and self.dtypes.grad == full.dtype and self.offloaded is None)
-            shard_out = (self._ensure_grads() if into_shard
-                         else torch.empty(self.layout.shard_numel, dtype=full.dtype, device=self.device))
-            work = self.comm.reduce_scatter(shard_out, full, async_op=True, label=f"grads of {self.name}")
-
-            def on_complete(shard_out=shard_out):
-                with torch.no_grad():
-                    release_input()
-                    if into_shard:                      # as the add below would give it: x * (1 / f)
-                        shard_out.mul_(1.0 / divide_factor)
-                    elif self.offloaded is not None and self.strategy.grads_sharded:
-                        self.offloaded.land_grads(shard_out, 1.0 / divide_factor, overwrite=False)
-                    elif self.strategy.grads_sharded:
-                        shard = self._ensure_grads()
-                        shard.add_(shard_out.to(shard.dtype), alpha=1.0 / divide_factor)
-                    else:
-                        # Other ranks' regions hold this rank's unreduced sums, which nobody reads;
-                        # zero them so an optimizer that zeroes only its own .grad views
-                        # (zero_grad(set_to_none=False)) starts the next step from a clean buffer.
-                        start, end = self.layout.shard_range(self.comm.rank)
-                        self.full_grad[:start].zero_()
-                        self.full_grad[end:].zero_()
-                        own = self.full_grad[start:end]
-                        if self._stash is None:
-                            own.copy_(shard_out).div_(divide_factor)
-                        else:
-                            own.copy_(self._stash).add_(shard_out, alpha=1.0 / divide_factor)
-                            self._release_stash()
-                        self._own_region_holds_mean = True
-                        if self.offloaded is not None:
-                            self.offloaded.land_grads(own, 1.0, overwrite=True)
-
-        self.reduced_this_backward = True
-        self.has_unreduced_grads = False
-        self.awaiting_replica_reduce = True      # hybrid sharding: the outer average is still to come
-        self.grads_ready = [False] * len(self.params)
-        return PendingCollective(work, on_complete)
-
-    def reduce_across_replicas(self, replicas) -> None:
-        """Hybrid sharding: average the reduced gradients this rank holds (its shard; DDP: all)
-        across the replicas of its shard, if a reduce landed since the last average (replicas.py)."""
-        if not self.awaiting_replica_reduce:
-            return
-        self.awaiting_replica_reduce = False
-        if self.levels is not None:              # HFSDP: one outer reduce-scatter to this rank's world shard
-            inner_grad, self._inner_grad = self._inner_grad, None
-            if inner_grad is None:
-                return
-            out = torch.empty(self.layout.shard_numel, dtype=inner_grad.dtype, device=self.device)
-            replicas.reduce_scatter(out, inner_grad, label=f"grads of {self.name} across replicas")
-            with torch.no_grad():
-                target = self._ensure_grads()
-                if not self.strategy.grads_sharded:      # ZeRO-1: this rank's world shard of full_grad
-                    target = target[self.shard_start:self.shard_end]
-                target.add_(out, alpha=1.0 / replicas.size)
-                if self._stash is not None:              # the mean of an earlier backward of this step
-                    target.add_(self._stash)
-                    self._release_stash()
-                self._own_region_holds_mean = not self.strategy.grads_sharded
-            return
-        buffer = self.main_grad_buffer()
-        if buffer is None or replicas.size == 1:
-            return
-        replicas.all_reduce(buffer, label=f"grads of {self.name} across replicas")
-        with torch.no_grad():
-            buffer.div_(replicas.size)
-
-    def finish_grad_reduce(self, pending: PendingCollective) -> None:
-        """Wait for a reduce ``reduce_grad`` issued and store its result."""
-        _wait(pending)
-
     def scale_grads(self, factor: float) -> None:
         """Multiply the gradients this group holds (reduced or accumulating) by ``factor``."""
         if self.offloaded is not None:
@@ -495,22 +374,6 @@ class ParamGroup(GroupExport, GroupOffload):
                            self.offloaded.grad if self.offloaded is not None else None):
                 if buffer is not None:
                     buffer.mul_(factor)
-
-    def _grad_comm_input(self):
-        """The full-size buffer to reduce, in ``grad_comm`` dtype, and how to release it afterwards.
-
-        ZeRO-2/3's held gradients, and DDP/ZeRO-1's buffer when it needs a dtype cast, are copied
-        into a buffer from the allocator (key ``comm_grad``), so it is counted and bounded."""
-        comm_dtype = self.dtypes.grad_comm
-        if not self.strategy.grads_sharded and self.full_grad.dtype == comm_dtype:
-            return self.full_grad, lambda: None
-        flat = self.allocator.allocate(self._comm_key, self.layout.total_numel, comm_dtype, self.device)
-        if self.strategy.grads_sharded:
-            self._unreduced.write_into(flat, self.layout)
-        else:
-            with torch.no_grad():
-                flat.copy_(self.full_grad)
-        return flat, lambda: self.allocator.free(self._comm_key)
 
     def _release_stash(self) -> None:
         self.allocator.free(self._stash_key)
@@ -559,7 +422,9 @@ class ParamGroup(GroupExport, GroupOffload):
         buffer = self.main_grad_buffer()
         for index, main in enumerate(self.main_params):
             view = self._main_view(buffer, index)
-            if none_if_unused and not self.got_grad[index] and not bool(view.any()):
+            if not self.trainable[index]:       # frozen since wrapping: no gradient, as torch gives
+                main.grad = None
+            elif none_if_unused and not self.got_grad[index] and not bool(view.any()):
                 main.grad = None
             else:
                 main.grad = self.facing_optimizer(view, index)

@@ -66,7 +66,8 @@ def summon_full_params(module, recurse: bool = True, writeback: bool = True, ran
             for index, param in enumerate(group.params):
                 restore.append((param, param.data, param.grad))
                 param.data = group.full_param(full_main, index)
-                param.grad = None if full_grad is None else group.full_param(full_grad, index)
+                frozen = full_grad is None or not group.trainable[index]     # frozen since wrapping: None
+                param.grad = None if frozen else group.full_param(full_grad, index)
     try:
         yield module
     finally:

@@ -68,3 +68,19 @@ class UnreducedGrads:
             if cursor < flat.numel():
                 flat[cursor:].zero_()
         self._held = 0
+
+    def write_packed(self, flat: torch.Tensor, moves) -> None:
+        """Fill ``flat`` with the pieces ``moves`` name (trainable_pack.py, [Note: reducing what requires
+        grad]), zeros elsewhere; each gradient is let go after its last piece is written."""
+        last = {move.index: k for k, move in enumerate(moves)}
+        with torch.no_grad():
+            flat.zero_()
+            for k, move in enumerate(moves):
+                grad = self._grads[move.index]
+                if grad is not None:
+                    piece = grad.reshape(-1)[move.param_start:move.param_end]
+                    flat[move.packed:move.packed + piece.numel()].copy_(piece)
+                if last[move.index] == k:
+                    self._grads[move.index] = None
+                del grad
+        self.clear()

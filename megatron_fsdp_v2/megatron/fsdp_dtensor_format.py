@@ -54,7 +54,8 @@ from ..checkpoint.safe_reader import SafeFileSystemReader
 from ..checkpoint.state_dict import load_optimizer_state_dict, model_state_dict, optimizer_state_dict
 from .dcp_checkpoint import checkpoint_targets
 
-__all__ = ["FORMAT", "is_fsdp_dtensor_keys", "load_fsdp_dtensor_checkpoint", "save_fsdp_dtensor_checkpoint"]
+__all__ = ["FORMAT", "is_fsdp_dtensor_keys", "load_fsdp_dtensor_checkpoint", "load_fsdp_dtensor_training_state",
+           "save_fsdp_dtensor_checkpoint"]
 
 FORMAT = "fsdp_dtensor"
 _MODEL, _STATE, _GROUP_META = "model.", "optimizer.state.", "optimizer.param_to_group_meta."
@@ -198,3 +199,23 @@ def save_fsdp_dtensor_checkpoint(path: "str | os.PathLike", wrapper, optimizer=N
                     out[f"{_GROUP_META}module.{prefix}{_bare(name)}.step"] = int(value.item())
     out.update(args=None, checkpoint_version=3.0, iteration=0 if iteration is None else int(iteration))
     dcp.save(out, storage_writer=ChecksummedFileSystemWriter(os.fspath(path)))
+
+
+def load_fsdp_dtensor_training_state(path: "str | os.PathLike", wrapper, optimizer=None,
+                                     opt_param_scheduler=None) -> tuple:
+    """What Megatron-LM's ``load_checkpoint`` does for the launcher's ``--load`` of an fsdp_dtensor
+    checkpoint: the model and optimizer (``load_fsdp_dtensor_checkpoint``), then the scheduler's
+    state; returns ``(iteration, num_floating_point_operations_so_far)``. The pickled ``args``, RNG
+    and rerun states are not read (they need unpickling outside torch's weights-only allow-list)."""
+    path = os.fspath(path)
+    load_fsdp_dtensor_checkpoint(path, wrapper, optimizer)
+    reader = SafeFileSystemReader(path)
+    keys = reader.read_metadata().state_dict_metadata
+    wanted = [k for k in keys if k in ("iteration", "num_floating_point_operations_so_far")
+              or (opt_param_scheduler is not None and k.startswith("opt_param_scheduler."))]
+    values = OrderedDict((k, None) for k in wanted)
+    dcp.load(values, storage_reader=reader)
+    if opt_param_scheduler is not None and any(k.startswith("opt_param_scheduler.") for k in values):
+        opt_param_scheduler.load_state_dict({k[len("opt_param_scheduler."):]: v for k, v in values.items()
+                                             if k.startswith("opt_param_scheduler.")})
+    return int(values.get("iteration") or 0), values.get("num_floating_point_operations_so_far") or 0

@@ -143,8 +143,10 @@ def our_load_worker(rank, world_size, path, strategies, continue_):
 
 @pytest.fixture(scope="module")
 def megatron_fsdp_checkpoint(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("fsdp_dtensor") / "iter_2")
-    megatron = run_distributed(megatron_fsdp_save_worker, 2, path, timeout=300)
+    base = tmp_path_factory.mktemp("fsdp_dtensor")
+    path = str(base / f"iter_{SAVED_ITERS:07d}")        # where Megatron-LM's save_checkpoint puts it
+    megatron = run_distributed(megatron_fsdp_save_worker, 2, path, timeout=300, fresh=True)
+    (base / "latest_checkpointed_iteration.txt").write_text(str(SAVED_ITERS))
     return path, megatron, _saved_tensors(path)
 
 
@@ -173,3 +175,173 @@ def test_megatron_fsdp_checkpoint_loads_at_dp1(megatron_fsdp_checkpoint):
     (out,) = run_distributed(our_load_worker, 1, path, ("optim_grads_params", "no_shard"), False, timeout=300)
     for strategy in ("optim_grads_params", "no_shard"):
         _check_equal(saved, out[strategy]["state"])
+
+
+# ---------------------------------------------------------------- the way back
+def our_save_worker(rank, world_size, path, strategy):
+    """Ours: train 2 iterations, save in the fsdp_dtensor layout, train 2 more."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    from megatron_fsdp_v2.megatron import FullyShardedDataParallel, get_optimizer
+    from megatron_fsdp_v2.megatron.fsdp_dtensor_format import save_fsdp_dtensor_checkpoint
+    from tests.megatron_cpu import (build_tiny_gpt, destroy_megatron_parallel_state, init_megatron_parallel_state,
+                                    patch_megatron_for_cpu)
+
+    with patch_megatron_for_cpu():
+        init_megatron_parallel_state(world_size)
+        try:
+            dp_rank = ps.get_data_parallel_rank()
+            model, config = build_tiny_gpt(1234, vocab=VOCAB, seq=SEQ)
+            wrapper = FullyShardedDataParallel(
+                config, DistributedDataParallelConfig(data_parallel_sharding_strategy=strategy), model)
+            optimizer = get_optimizer(_opt_config(strategy), [wrapper])
+            _iterate(wrapper, config, optimizer, _batches(dp_rank, 0, SAVED_ITERS * NMB))
+            save_fsdp_dtensor_checkpoint(path, wrapper, optimizer, iteration=SAVED_ITERS)
+            return _iterate(wrapper, config, optimizer, _batches(dp_rank, SAVED_ITERS * NMB, MORE_ITERS * NMB))
+        finally:
+            destroy_megatron_parallel_state()
+
+
+def megatron_fsdp_load_worker(rank, world_size, path):
+    """Megatron-FSDP loads it as Megatron-LM's load_checkpoint does for fsdp_dtensor (the state dict of
+    ``generate_state_dict(is_loading=True)``, ``preprocess_fsdp_dtensor_state_dict``, DCP's load with
+    partial loads allowed, ``load_state_dict``), then trains on."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.utils import unwrap_model
+    from megatron.training import checkpointing
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    from testing.megatron_fsdp_cpu import fill_empty_optimizer_states, megatron_fsdp_on_cpu
+    from tests.megatron_cpu import destroy_megatron_parallel_state, init_megatron_parallel_state, patch_megatron_for_cpu
+
+    with patch_megatron_for_cpu(), megatron_fsdp_on_cpu():
+        init_megatron_parallel_state(world_size)
+        try:
+            wrapped, config, optimizer = _megatron_fsdp(77)
+            leaves = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+            for leaf in leaves:
+                leaf._init_optimizer_states_with_dummy_values()
+            fill_empty_optimizer_states(optimizer)
+            kwargs = dict(metadata=checkpointing._build_sharded_state_dict_metadata(ARGS), is_loading=True)
+            raw = checkpointing.generate_state_dict(ARGS, unwrap_model([wrapped]), optimizer, None, None,
+                                                    optim_sd_kwargs=kwargs, iteration=1)
+            state = checkpointing.preprocess_fsdp_dtensor_state_dict(ARGS, dict(raw), unwrap_model(wrapped))
+            torch.distributed.checkpoint.load_state_dict(state_dict=state, storage_reader=FileSystemReader(path),
+                                                         planner=DefaultLoadPlanner(allow_partial_load=True))
+            try:                # load_checkpoint's load_model_state_dict: strict, then not
+                wrapped.load_state_dict(raw["model"], strict=True)
+            except Exception:
+                wrapped.load_state_dict(raw["model"], strict=False)
+            optimizer.load_state_dict(raw["optimizer"])
+            steps = {float(s["step"]) for leaf in leaves for s in leaf.optimizer.state.values()}
+            losses = _iterate(wrapped, config, optimizer, _batches(ps.get_data_parallel_rank(), SAVED_ITERS * NMB,
+                                                                   MORE_ITERS * NMB))
+            return {"losses": losses, "steps": steps, "iteration": state["iteration"]}
+        finally:
+            destroy_megatron_parallel_state()
+
+
+@pytest.mark.parametrize("strategy", ["optim_grads_params", "no_shard"])
+def test_megatron_fsdp_loads_our_fsdp_dtensor_checkpoint_and_continues(tmp_path, strategy):
+    path = str(tmp_path / "iter_2")
+    ours = run_distributed(our_save_worker, 2, path, strategy, timeout=300)
+    megatron = run_distributed(megatron_fsdp_load_worker, 2, path, timeout=300, fresh=True)
+    for rank in range(2):
+        assert megatron[rank]["steps"] == {float(SAVED_ITERS)} and megatron[rank]["iteration"] == SAVED_ITERS
+        torch.testing.assert_close(torch.tensor(megatron[rank]["losses"]), torch.tensor(ours[rank]),
+                                   rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------- refused
+def refusal_worker(rank, world_size, path, overrides):
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    from megatron_fsdp_v2.megatron import FullyShardedDataParallel, get_optimizer
+    from megatron_fsdp_v2.megatron.fsdp_dtensor_format import load_fsdp_dtensor_checkpoint
+    from tests.megatron_cpu import (build_tiny_gpt, destroy_megatron_parallel_state, init_megatron_parallel_state,
+                                    patch_megatron_for_cpu)
+
+    with patch_megatron_for_cpu():
+        init_megatron_parallel_state(world_size)
+        try:
+            model, config = build_tiny_gpt(77, vocab=VOCAB, seq=SEQ, **overrides)
+            wrapper = FullyShardedDataParallel(
+                config, DistributedDataParallelConfig(data_parallel_sharding_strategy="optim"), model)
+            try:
+                load_fsdp_dtensor_checkpoint(path, wrapper, get_optimizer(_opt_config("optim"), [wrapper]))
+            except ValueError as exc:
+                return str(exc)
+            return None
+        finally:
+            destroy_megatron_parallel_state()
+
+
+def test_unsupported_models_are_refused_on_every_rank(megatron_fsdp_checkpoint):
+    path, _, _ = megatron_fsdp_checkpoint
+    for message in run_distributed(refusal_worker, 2, path, {"gated_linear_unit": True}, timeout=300):
+        assert message is not None and "--swiglu (gated_linear_unit)" in message, message
+    for message in run_distributed(refusal_worker, 2, path, {"num_layers": 3}, timeout=300):
+        assert message is not None and "missing parameters ['decoder.layers.2." in message, message
+
+
+# ---------------------------------------------------------------- the launcher
+def launcher_load_worker(rank, world_size, base, flags):
+    """The launcher's ``--load`` (Megatron-LM's ``load_checkpoint``, wrapped) of the fsdp_dtensor
+    directory; returns (iteration, our state) or the error."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.training import training
+    from megatron.training.global_vars import destroy_global_vars, set_global_variables
+
+    from examples.pretrain_gpt import parse_args, use_fully_sharded_data_parallel
+    from megatron_fsdp_v2.megatron import FullyShardedDataParallel, get_optimizer
+    from tests.megatron_cpu import (build_tiny_gpt, destroy_megatron_parallel_state, init_megatron_parallel_state,
+                                    patch_megatron_for_cpu)
+    from tests.state_gather import full_optimizer_state
+    from tests.unit.test_megatron_adapter import LAUNCHER_ARGS
+
+    with patch_megatron_for_cpu("megatron.training.checkpointing"):
+        init_megatron_parallel_state(world_size)
+        try:
+            set_global_variables(parse_args(LAUNCHER_ARGS + ["--load", base, "--no-load-rng",
+                                                             "--use-cpu-initialization"] + flags),
+                                 build_tokenizer=False)
+            model, config = build_tiny_gpt(77, vocab=VOCAB, seq=SEQ)
+            wrapper = FullyShardedDataParallel(
+                config, DistributedDataParallelConfig(data_parallel_sharding_strategy="optim_grads"), model)
+            optimizer = get_optimizer(_opt_config("optim_grads"), [wrapper])
+            try:
+                with use_fully_sharded_data_parallel():
+                    iteration, _ = training.load_checkpoint([wrapper], optimizer, None)
+            except ValueError as exc:
+                return str(exc)
+            state = dict(wrapper.state_dict())
+            state.update(full_optimizer_state(wrapper, optimizer, wrapper.dp_group))
+            return iteration, {k: v.clone() for k, v in state.items() if k != "class"}
+        finally:
+            destroy_global_vars()
+            destroy_megatron_parallel_state()
+
+
+@pytest.mark.parametrize("flags", [["--ckpt-format", "fsdp_dtensor"], ["--auto-detect-ckpt-format"]])
+def test_launcher_load_of_a_megatron_fsdp_checkpoint_resumes_with_optimizer_state(megatron_fsdp_checkpoint, flags):
+    path, _, saved = megatron_fsdp_checkpoint
+    for iteration, state in run_distributed(launcher_load_worker, 2, os.path.dirname(path), flags, timeout=300):
+        assert iteration == SAVED_ITERS
+        _check_equal(saved, state)
+
+
+def test_launcher_refuses_an_fsdp_dtensor_directory_without_the_format_flag(megatron_fsdp_checkpoint):
+    path, _, _ = megatron_fsdp_checkpoint
+    for message in run_distributed(launcher_load_worker, 2, os.path.dirname(path), [], timeout=300):
+        assert isinstance(message, str) and "holds a fsdp_dtensor checkpoint" in message, message
+        assert "--auto-detect-ckpt-format" in message, message
+
+
+def test_launcher_refuses_saving_fsdp_dtensor():
+    from examples.pretrain_gpt import check_launcher_args
+
+    with pytest.raises(ValueError, match="--ckpt-format fsdp_dtensor is read here, not written"):
+        check_launcher_args(SimpleNamespace(load_fsdp_dtensor=True, save="/ckpt", load="/ckpt",
+                                            ckpt_format="torch_dist", data_parallel_sharding_strategy="optim"))

@@ -47,7 +47,10 @@ size and with another ``--data-parallel-sharding-strategy``, model and optimizer
 or ``fully_reshardable`` with ``--dist-ckpt-optim-fully-reshardable``), so Megatron-LM with
 ``--use-distributed-optimizer`` resumes from it; ``--load`` of such a checkpoint written by
 Megatron-LM resumes with its optimizer state (``load_checkpoint`` is wrapped to read which layout the
-directory holds first: ``read_optimizer_layout``). docs/checkpointing.md has both recipes.
+directory holds first: ``read_optimizer_layout``). ``--load`` also reads Megatron-FSDP's
+``fsdp_dtensor`` directories, with ``--ckpt-format fsdp_dtensor`` (and no ``--save``) or with
+``--auto-detect-ckpt-format`` (``checkpoint_format_to_load``; ``load_megatron_fsdp_checkpoint``).
+docs/checkpointing.md has the recipes, both directions.
 """
 
 from __future__ import annotations

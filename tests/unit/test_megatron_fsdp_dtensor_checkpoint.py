@@ -255,7 +255,7 @@ def test_megatron_fsdp_loads_our_fsdp_dtensor_checkpoint_and_continues(tmp_path,
 
 
 # ---------------------------------------------------------------- refused
-def refusal_worker(rank, world_size, path, overrides):
+def refusal_worker(rank, world_size, path, overrides, tp=1):
     from megatron.core.distributed import DistributedDataParallelConfig
 
     from megatron_fsdp_v2.megatron import FullyShardedDataParallel, get_optimizer
@@ -264,9 +264,9 @@ def refusal_worker(rank, world_size, path, overrides):
                                     patch_megatron_for_cpu)
 
     with patch_megatron_for_cpu():
-        init_megatron_parallel_state(world_size)
+        init_megatron_parallel_state(world_size, tensor_model_parallel_size=tp)
         try:
-            model, config = build_tiny_gpt(77, vocab=VOCAB, seq=SEQ, **overrides)
+            model, config = build_tiny_gpt(77, vocab=VOCAB, seq=SEQ, tensor_model_parallel_size=tp, **overrides)
             wrapper = FullyShardedDataParallel(
                 config, DistributedDataParallelConfig(data_parallel_sharding_strategy="optim"), model)
             try:
@@ -284,6 +284,8 @@ def test_unsupported_models_are_refused_on_every_rank(megatron_fsdp_checkpoint):
         assert message is not None and "--swiglu (gated_linear_unit)" in message, message
     for message in run_distributed(refusal_worker, 2, path, {"num_layers": 3}, timeout=300):
         assert message is not None and "missing parameters ['decoder.layers.2." in message, message
+    for message in run_distributed(refusal_worker, 2, path, {}, 2, timeout=300):
+        assert message is not None and "tensor/pipeline-parallel sizes (2, 1) is not supported" in message, message
 
 
 # ---------------------------------------------------------------- the launcher

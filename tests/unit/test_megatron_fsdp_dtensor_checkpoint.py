@@ -14,6 +14,7 @@ runs there under the test-only patches of testing/megatron_fsdp_cpu.py).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 from types import SimpleNamespace
@@ -69,9 +70,34 @@ def _full_weights(wrapped) -> dict:
     return out
 
 
+def _megatron_lm_save(wrapped, optimizer, path):
+    """Megatron-LM's save_checkpoint for fsdp_dtensor, less its RNG and scheduler state."""
+    from megatron.training import checkpointing
+
+    state = checkpointing.generate_state_dict(ARGS, [wrapped], optimizer, None, None, iteration=SAVED_ITERS)
+    state = checkpointing.preprocess_fsdp_dtensor_state_dict(ARGS, state, wrapped)
+    torch.distributed.checkpoint.save(state, storage_writer=torch.distributed.checkpoint.FileSystemWriter(path))
+
+
+@contextlib.contextmanager
+def steps_in_param_groups(optimizer):
+    """Adam's step as Transformer Engine's FusedAdam keeps it: one number per param group, none in
+    the state (what Megatron-FSDP checkpoints on GPUs hold); put back on exit."""
+    inner = optimizer.optimizer
+    steps = {p: state.pop("step") for p, state in inner.state.items()}
+    for group in inner.param_groups:
+        group["step"] = int(next(iter(steps.values())).item())
+    try:
+        yield
+    finally:
+        for p, step in steps.items():
+            inner.state[p]["step"] = step
+        for group in inner.param_groups:
+            del group["step"]
+
+
 def megatron_fsdp_save_worker(rank, world_size, path):
     from megatron.core import parallel_state as ps
-    from megatron.training import checkpointing
 
     from testing.megatron_fsdp_cpu import fill_empty_optimizer_states, megatron_fsdp_on_cpu
     from tests.megatron_cpu import destroy_megatron_parallel_state, init_megatron_parallel_state, patch_megatron_for_cpu
@@ -83,9 +109,9 @@ def megatron_fsdp_save_worker(rank, world_size, path):
             wrapped, config, optimizer = _megatron_fsdp(1234)
             _iterate(wrapped, config, optimizer, _batches(dp_rank, 0, SAVED_ITERS * NMB))
             fill_empty_optimizer_states(optimizer)
-            state = checkpointing.generate_state_dict(ARGS, [wrapped], optimizer, None, None, iteration=SAVED_ITERS)
-            state = checkpointing.preprocess_fsdp_dtensor_state_dict(ARGS, state, wrapped)
-            torch.distributed.checkpoint.save(state, storage_writer=torch.distributed.checkpoint.FileSystemWriter(path))
+            _megatron_lm_save(wrapped, optimizer, path)
+            with steps_in_param_groups(optimizer):          # Transformer Engine's FusedAdam keeps them there
+                _megatron_lm_save(wrapped, optimizer, path + "_fused_adam")
             losses = _iterate(wrapped, config, optimizer, _batches(dp_rank, SAVED_ITERS * NMB, MORE_ITERS * NMB))
             return {"losses": losses, "weights": {k[len("module."):]: v for k, v in _full_weights(wrapped).items()}}
         finally:
@@ -175,6 +201,17 @@ def test_megatron_fsdp_checkpoint_loads_at_dp1(megatron_fsdp_checkpoint):
     (out,) = run_distributed(our_load_worker, 1, path, ("optim_grads_params", "no_shard"), False, timeout=300)
     for strategy in ("optim_grads_params", "no_shard"):
         _check_equal(saved, out[strategy]["state"])
+
+
+def test_fused_adam_step_in_param_to_group_meta_is_read(megatron_fsdp_checkpoint):
+    path, _, saved = megatron_fsdp_checkpoint
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = FileSystemReader(path + "_fused_adam").read_metadata().state_dict_metadata
+    assert not any(k.startswith("optimizer.state.") and k.endswith(".step") for k in keys)
+    assert "optimizer.param_to_group_meta.module.module.decoder.layers.0.mlp.linear_fc1.weight.step" in keys
+    (out,) = run_distributed(our_load_worker, 1, path + "_fused_adam", ("optim",), False, timeout=300)
+    _check_equal(saved, out["optim"]["state"])
 
 
 # ---------------------------------------------------------------- the way back

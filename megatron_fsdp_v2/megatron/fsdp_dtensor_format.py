@@ -9,8 +9,8 @@ fsdp_dtensor`` builds ``generate_state_dict``: ``{"args", "checkpoint_version", 
 (``FileSystemWriter``: ``.metadata`` and ``__<rank>_0.distcp``, no ``metadata.json``, which is how
 ``_get_checkpoint_format`` tells it from ``torch_dist``). DCP flattens the nesting with dots:
 
-* ``model.<prefix><name>``: Megatron-FSDP's ``state_dict()``, its wrapper's ``module.`` (plus
-  ``Float16Module``'s ``module.`` under bf16/fp16) before the module's parameter name, layer numbers
+* ``model.module.<name>``: Megatron-FSDP's ``state_dict()``, its ``module.`` before the module's
+  parameter name (also under bf16/fp16: ``Float16Module``'s state dict adds no prefix), layer numbers
   local to the pipeline stage. Each value is a DTensor of the parameter's global shape on the
   data-parallel mesh, ``Shard(0)``, whose local piece is whole rows (Megatron-FSDP snaps its flat
   shards to rows, ``chunk_size_factor``). The rank pieces are uneven, so
@@ -19,9 +19,10 @@ fsdp_dtensor`` builds ``generate_state_dict``: ``{"args", "checkpoint_version", 
   under bf16). ``_extra_state`` entries are dropped (``handle_fp8_extra_state_case``);
   ``--swiglu`` splits ``linear_fc1`` into ``linear_fc1.weight_w`` / ``_v`` halves and MoE experts
   are renumbered to global indices (``handle_swiglu_in_state_dict``, ``handle_experts_in_state_dict``).
-* ``optimizer.state.<prefix'><name>.{exp_avg,exp_avg_sq}``: ``DistributedOptimizer
+* ``optimizer.state.module.module.<name>.{exp_avg,exp_avg_sq}``: ``DistributedOptimizer
   .sharded_param_state_fsdp_dtensor`` -- the inner optimizer's state keyed by the parameter's name
-  in the model chunk (one more ``module.``), DTensors laid out like the weights;
+  in the model chunk (Megatron-FSDP's adapter and Megatron-FSDP, plus ``Float16Module``'s
+  ``module.`` under bf16/fp16), DTensors laid out like the weights;
   ``...<name>.step``: torch's Adam keeps a 0-d tensor per parameter (replicated);
 * ``optimizer.param_to_group_meta.<prefix'><name>.<hyperparameter>``: every param group's
   hyperparameters per parameter, pickled objects (``lr``, ``betas``, ``wd_mult``, ...); Transformer
@@ -185,18 +186,20 @@ def save_fsdp_dtensor_checkpoint(path: "str | os.PathLike", wrapper, optimizer=N
     for Megatron-LM ``--use-megatron-fsdp --ckpt-format fsdp_dtensor --load``. Each rank writes its
     own rows; ``.checksums.json`` is added (Megatron ignores it)."""
     module, torch_optimizer = checkpoint_targets(wrapper, optimizer)
-    prefix = "module." + getattr(wrapper, "_ckpt_prefix", "")     # Megatron-FSDP's wrapper, then Float16Module's
+    # the model's keys: Megatron-FSDP's state_dict (Float16Module's state_dict adds no prefix); the
+    # optimizer's: parameter names in the model chunk (Megatron-FSDP's adapter, Megatron-FSDP, Float16Module)
+    model_prefix, state_prefix = "module.", "module.module." + getattr(wrapper, "_ckpt_prefix", "")
     error = _check_layout(wrapper, {}, [])
     raise_on_every_rank(None, error, f"save_fsdp_dtensor_checkpoint({os.fspath(path)!r})")
-    out = OrderedDict((f"{_MODEL}{prefix}{_bare(n)}", v) for n, v in model_state_dict(module).items()
+    out = OrderedDict((f"{_MODEL}{model_prefix}{_bare(n)}", v) for n, v in model_state_dict(module).items()
                       if not n.endswith("._extra_state"))
     if torch_optimizer is not None:
         for key, value in optimizer_state_dict(module, torch_optimizer).items():
             if key.startswith("state."):
                 name, sub = key[len("state."):].rsplit(".", 1)
-                out[f"{_STATE}module.{prefix}{_bare(name)}.{sub}"] = value
+                out[f"{_STATE}{state_prefix}{_bare(name)}.{sub}"] = value
                 if sub == "step":       # where Transformer Engine's FusedAdam looks for it
-                    out[f"{_GROUP_META}module.{prefix}{_bare(name)}.step"] = int(value.item())
+                    out[f"{_GROUP_META}{state_prefix}{_bare(name)}.step"] = int(value.item())
     out.update(args=None, checkpoint_version=3.0, iteration=0 if iteration is None else int(iteration))
     dcp.save(out, storage_writer=ChecksummedFileSystemWriter(os.fspath(path)))
 

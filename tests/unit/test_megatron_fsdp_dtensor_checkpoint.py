@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -27,28 +28,44 @@ if importlib.util.find_spec("megatron.core") is None:
 
 from tests.megatron_cpu import run_distributed  # noqa: E402
 from tests.unit.test_megatron_distopt_checkpoint import (MORE_ITERS, NMB, SAVED_ITERS, SEQ, VOCAB,  # noqa: E402
-                                                        _batches, _iterate, _opt_config)
+                                                        _batches, _iterate)
 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+
+
+def _opt_config(strategy: str = "optim", bf16: bool = False):
+    """Adam as the distopt tests use it (no distributed optimizer for our no_shard); bf16: fp32 main
+    parameters and optimizer state."""
+    from tests.unit.test_megatron_adapter import LR_ADAM, _opt_config
+
+    return _opt_config("adam", LR_ADAM, use_distributed_optimizer=strategy != "no_shard", bf16=bf16)
 #: what Megatron-LM's save_checkpoint / load_checkpoint read from args for fsdp_dtensor
 ARGS = SimpleNamespace(ckpt_format="fsdp_dtensor", no_save_optim=False, swiglu=False, num_experts=None,
                        use_distributed_optimizer=True, dist_ckpt_optim_fully_reshardable=False, no_save_rng=True)
 
 
-def _megatron_fsdp(seed):
+def _gpt(seed, bf16=False):
+    """The tiny GPT; with ``bf16`` in ``Float16Module``, as Megatron-LM's get_model wraps it."""
+    from megatron.core.transformer.module import Float16Module
+
+    from tests.megatron_cpu import build_tiny_gpt
+
+    model, config = build_tiny_gpt(seed, vocab=VOCAB, seq=SEQ, bf16=bf16)
+    return (Float16Module(config, model) if bf16 else model), config
+
+
+def _megatron_fsdp(seed, bf16=False):
     """A tiny GPT in Megatron-FSDP (ZeRO-3) and its DistributedOptimizer (inside the patches)."""
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
     from megatron.core.optimizer import get_megatron_optimizer
 
-    from tests.megatron_cpu import build_tiny_gpt
-
-    model, config = build_tiny_gpt(seed, vocab=VOCAB, seq=SEQ)
+    model, config = _gpt(seed, bf16)
     ddp_config = DistributedDataParallelConfig(use_megatron_fsdp=True, use_distributed_optimizer=True,
                                                data_parallel_sharding_strategy="optim_grads_params",
                                                gradient_reduce_div_fusion=False)
     wrapped = FullyShardedDataParallel(config=config, ddp_config=ddp_config, module=model, device=torch.device("cpu"))
-    return wrapped, config, get_megatron_optimizer(_opt_config(), [wrapped])
+    return wrapped, config, get_megatron_optimizer(_opt_config(bf16=bf16), [wrapped])
 
 
 def _full_weights(wrapped) -> dict:
@@ -96,7 +113,7 @@ def steps_in_param_groups(optimizer):
             del group["step"]
 
 
-def megatron_fsdp_save_worker(rank, world_size, path):
+def megatron_fsdp_save_worker(rank, world_size, path, bf16=False):
     from megatron.core import parallel_state as ps
 
     from testing.megatron_fsdp_cpu import fill_empty_optimizer_states, megatron_fsdp_on_cpu
@@ -106,14 +123,16 @@ def megatron_fsdp_save_worker(rank, world_size, path):
         init_megatron_parallel_state(world_size)
         try:
             dp_rank = ps.get_data_parallel_rank()
-            wrapped, config, optimizer = _megatron_fsdp(1234)
+            wrapped, config, optimizer = _megatron_fsdp(1234, bf16)
             _iterate(wrapped, config, optimizer, _batches(dp_rank, 0, SAVED_ITERS * NMB))
             fill_empty_optimizer_states(optimizer)
             _megatron_lm_save(wrapped, optimizer, path)
+            if bf16:                # the keys are what the bf16 case checks
+                return None
             with steps_in_param_groups(optimizer):          # Transformer Engine's FusedAdam keeps them there
                 _megatron_lm_save(wrapped, optimizer, path + "_fused_adam")
             losses = _iterate(wrapped, config, optimizer, _batches(dp_rank, SAVED_ITERS * NMB, MORE_ITERS * NMB))
-            return {"losses": losses, "weights": {k[len("module."):]: v for k, v in _full_weights(wrapped).items()}}
+            return {"losses": losses, "weights": {_bare(k): v for k, v in _full_weights(wrapped).items()}}
         finally:
             destroy_megatron_parallel_state()
 
@@ -126,21 +145,26 @@ def _saved_tensors(path) -> dict:
     dcp_to_torch_save(path, target)
     flat, out = torch.load(target, weights_only=False), {}
     for key, value in flat["model"].items():
-        out[key[len("module."):]] = value
+        out[_bare(key)] = value
     for name, state in flat["optimizer"]["state"].items():
         for sub, value in state.items():
-            out[f"state.{name[len('module.module.'):]}.{sub}"] = value
+            out[f"state.{_bare(name)}.{sub}"] = value
     return out
 
 
-def our_load_worker(rank, world_size, path, strategies, continue_):
+def _bare(key: str) -> str:
+    """A key without the wrappers' ``module.`` prefixes (Megatron-FSDP's, Float16Module's)."""
+    head = "state." if key.startswith("state.") else ""
+    return head + re.sub(r"^(module\.)+", "", key[len(head):])
+
+
+def our_load_worker(rank, world_size, path, strategies, continue_, bf16=False):
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallelConfig
 
     from megatron_fsdp_v2.megatron import FullyShardedDataParallel, get_optimizer
     from megatron_fsdp_v2.megatron.fsdp_dtensor_format import load_fsdp_dtensor_checkpoint
-    from tests.megatron_cpu import (build_tiny_gpt, destroy_megatron_parallel_state, init_megatron_parallel_state,
-                                    patch_megatron_for_cpu)
+    from tests.megatron_cpu import destroy_megatron_parallel_state, init_megatron_parallel_state, patch_megatron_for_cpu
     from tests.state_gather import full_optimizer_state
 
     out = {}
@@ -148,14 +172,15 @@ def our_load_worker(rank, world_size, path, strategies, continue_):
         init_megatron_parallel_state(world_size)
         try:
             for strategy in strategies:
-                model, config = build_tiny_gpt(77, vocab=VOCAB, seq=SEQ)
+                model, config = _gpt(77, bf16)
                 wrapper = FullyShardedDataParallel(
                     config, DistributedDataParallelConfig(data_parallel_sharding_strategy=strategy), model)
-                optimizer = get_optimizer(_opt_config(strategy), [wrapper])
+                optimizer = get_optimizer(_opt_config(strategy, bf16), [wrapper])
                 load_fsdp_dtensor_checkpoint(path, wrapper, optimizer)
                 got = dict(wrapper.state_dict())
                 got.update(full_optimizer_state(wrapper, optimizer, wrapper.dp_group))
-                result = {"state": {k: v.clone() for k, v in got.items() if not k.endswith("_extra_state") and k != "class"}}
+                result = {"state": {_bare(k): v.clone() for k, v in got.items()
+                                    if not k.endswith("_extra_state") and k != "class"}}
                 if continue_:
                     result["losses"] = _iterate(wrapper, config, optimizer, _batches(
                         ps.get_data_parallel_rank(), SAVED_ITERS * NMB, MORE_ITERS * NMB))
@@ -215,24 +240,23 @@ def test_fused_adam_step_in_param_to_group_meta_is_read(megatron_fsdp_checkpoint
 
 
 # ---------------------------------------------------------------- the way back
-def our_save_worker(rank, world_size, path, strategy):
+def our_save_worker(rank, world_size, path, strategy, bf16=False):
     """Ours: train 2 iterations, save in the fsdp_dtensor layout, train 2 more."""
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallelConfig
 
     from megatron_fsdp_v2.megatron import FullyShardedDataParallel, get_optimizer
     from megatron_fsdp_v2.megatron.fsdp_dtensor_format import save_fsdp_dtensor_checkpoint
-    from tests.megatron_cpu import (build_tiny_gpt, destroy_megatron_parallel_state, init_megatron_parallel_state,
-                                    patch_megatron_for_cpu)
+    from tests.megatron_cpu import destroy_megatron_parallel_state, init_megatron_parallel_state, patch_megatron_for_cpu
 
     with patch_megatron_for_cpu():
         init_megatron_parallel_state(world_size)
         try:
             dp_rank = ps.get_data_parallel_rank()
-            model, config = build_tiny_gpt(1234, vocab=VOCAB, seq=SEQ)
+            model, config = _gpt(1234, bf16)
             wrapper = FullyShardedDataParallel(
                 config, DistributedDataParallelConfig(data_parallel_sharding_strategy=strategy), model)
-            optimizer = get_optimizer(_opt_config(strategy), [wrapper])
+            optimizer = get_optimizer(_opt_config(strategy, bf16), [wrapper])
             _iterate(wrapper, config, optimizer, _batches(dp_rank, 0, SAVED_ITERS * NMB))
             save_fsdp_dtensor_checkpoint(path, wrapper, optimizer, iteration=SAVED_ITERS)
             return _iterate(wrapper, config, optimizer, _batches(dp_rank, SAVED_ITERS * NMB, MORE_ITERS * NMB))
@@ -280,7 +304,7 @@ def megatron_fsdp_load_worker(rank, world_size, path):
             destroy_megatron_parallel_state()
 
 
-@pytest.mark.parametrize("strategy", ["optim_grads_params", "no_shard"])
+@pytest.mark.parametrize("strategy", ["optim_grads_params"])
 def test_megatron_fsdp_loads_our_fsdp_dtensor_checkpoint_and_continues(tmp_path, strategy):
     path = str(tmp_path / "iter_2")
     ours = run_distributed(our_save_worker, 2, path, strategy, timeout=300)
@@ -289,6 +313,29 @@ def test_megatron_fsdp_loads_our_fsdp_dtensor_checkpoint_and_continues(tmp_path,
         assert megatron[rank]["steps"] == {float(SAVED_ITERS)} and megatron[rank]["iteration"] == SAVED_ITERS
         torch.testing.assert_close(torch.tensor(megatron[rank]["losses"]), torch.tensor(ours[rank]),
                                    rtol=1e-5, atol=1e-6)
+
+
+def _tensor_keys(path) -> set:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return {k for k in FileSystemReader(path).read_metadata().state_dict_metadata
+            if k.startswith(("model.", "optimizer.state."))}
+
+
+def test_bf16_keys_under_float16module(tmp_path):
+    """bf16: Megatron-LM wraps the GPT in Float16Module inside Megatron-FSDP, so the optimizer's keys
+    carry one more ``module.`` (the model's do not: Float16Module's state dict adds none); we load
+    them (fp32 main weights and moments bitwise) and write the same keys."""
+    megatron, ours = str(tmp_path / "megatron"), str(tmp_path / "ours")
+    run_distributed(megatron_fsdp_save_worker, 2, megatron, True, timeout=300, fresh=True)
+    keys = _tensor_keys(megatron)
+    assert "model.module.decoder.layers.0.mlp.linear_fc1.weight" in keys
+    assert "optimizer.state.module.module.module.decoder.layers.0.mlp.linear_fc1.weight.exp_avg" in keys
+    saved = _saved_tensors(megatron)
+    for out in run_distributed(our_load_worker, 2, megatron, ("optim_grads_params",), False, True, timeout=300):
+        _check_equal(saved, out["optim_grads_params"]["state"])
+    run_distributed(our_save_worker, 2, ours, "optim_grads_params", True, timeout=300)
+    assert _tensor_keys(ours) == _tensor_keys(megatron)
 
 
 # ---------------------------------------------------------------- refused

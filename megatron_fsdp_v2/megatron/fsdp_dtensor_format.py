@@ -32,7 +32,7 @@ fsdp_dtensor`` builds ``generate_state_dict``: ``{"args", "checkpoint_version", 
 
 Loading: each rank declares its own shards under those keys (``FlatRangeShard``, the core's DCP
 chunks) and DCP reads the overlap of the saved chunks, so any dp size and strategy loads.
-Saving writes the same keys and ``args=None``/``iteration``/``checkpoint_version``, so
+Saving writes the same keys and ``args``/``iteration``/``checkpoint_version``, so
 Megatron-LM's ``--load`` and Megatron-FSDP's loader (which declares its own chunks) read it.
 Hyperparameters are not written: the loading run's are used (Megatron-LM's scheduler sets the
 learning rate and weight decay every step), as for Megatron DDP's layouts (distopt_format.py).
@@ -40,6 +40,7 @@ learning rate and weight decay every step), as for Megatron DDP's layouts (disto
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 from collections import OrderedDict
@@ -180,11 +181,23 @@ def _steps_from_group_meta(optim: dict, request: dict, step_names: dict) -> None
             optim[key].fill_(float(request[saved]))
 
 
-def save_fsdp_dtensor_checkpoint(path: "str | os.PathLike", wrapper, optimizer=None,
-                                 iteration: Optional[int] = None) -> None:
+def _checkpoint_args(wrapper, args: Optional[argparse.Namespace]) -> argparse.Namespace:
+    """What Megatron-LM's ``load_checkpoint`` reads from ``args`` (``check_checkpoint_args`` compares
+    the model's sizes; ``consumed_train_samples`` restarts the data): the caller's Megatron-LM
+    arguments, or the model's sizes from its config."""
+    if args is not None:
+        return args
+    config = getattr(wrapper, "config", None)
+    return argparse.Namespace(**{k: getattr(config, k) for k in ("num_layers", "hidden_size", "num_attention_heads")
+                                 if hasattr(config, k)}, tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+
+
+def save_fsdp_dtensor_checkpoint(path: "str | os.PathLike", wrapper, optimizer=None, iteration: Optional[int] = None,
+                                 args: Optional[argparse.Namespace] = None) -> None:
     """Write ``wrapper`` (and ``optimizer``'s Adam state) in Megatron-FSDP's ``fsdp_dtensor`` layout,
     for Megatron-LM ``--use-megatron-fsdp --ckpt-format fsdp_dtensor --load``. Each rank writes its
-    own rows; ``.checksums.json`` is added (Megatron ignores it)."""
+    own rows; ``.checksums.json`` is added (Megatron ignores it). ``args``: Megatron-LM's arguments
+    to store (pickled, as Megatron-LM does; default: the model's sizes, which its load checks)."""
     module, torch_optimizer = checkpoint_targets(wrapper, optimizer)
     # the model's keys: Megatron-FSDP's state_dict (Float16Module's state_dict adds no prefix); the
     # optimizer's: parameter names in the model chunk (Megatron-FSDP's adapter, Megatron-FSDP, Float16Module)
@@ -200,7 +213,8 @@ def save_fsdp_dtensor_checkpoint(path: "str | os.PathLike", wrapper, optimizer=N
                 out[f"{_STATE}{state_prefix}{_bare(name)}.{sub}"] = value
                 if sub == "step":       # where Transformer Engine's FusedAdam looks for it
                     out[f"{_GROUP_META}{state_prefix}{_bare(name)}.step"] = int(value.item())
-    out.update(args=None, checkpoint_version=3.0, iteration=0 if iteration is None else int(iteration))
+    out.update(args=_checkpoint_args(wrapper, args), checkpoint_version=3.0,
+               iteration=0 if iteration is None else int(iteration))
     dcp.save(out, storage_writer=ChecksummedFileSystemWriter(os.fspath(path)))
 
 

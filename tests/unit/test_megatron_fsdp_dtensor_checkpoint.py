@@ -137,13 +137,17 @@ def megatron_fsdp_save_worker(rank, world_size, path, bf16=False):
             destroy_megatron_parallel_state()
 
 
-def _saved_tensors(path) -> dict:
-    """The checkpoint's tensors, whole, under our names: ``<name>`` and ``state.<name>.<key>``."""
+def _saved_objects(path) -> dict:
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     target = os.path.join(path, "..", os.path.basename(path) + ".pt")
     dcp_to_torch_save(path, target)
-    flat, out = torch.load(target, weights_only=False), {}
+    return torch.load(target, weights_only=False)
+
+
+def _saved_tensors(path) -> dict:
+    """The checkpoint's tensors, whole, under our names: ``<name>`` and ``state.<name>.<key>``."""
+    flat, out = _saved_objects(path), {}
     for key, value in flat["model"].items():
         out[_bare(key)] = value
     for name, state in flat["optimizer"]["state"].items():
@@ -309,6 +313,8 @@ def test_megatron_fsdp_loads_our_fsdp_dtensor_checkpoint_and_continues(tmp_path,
     path = str(tmp_path / "iter_2")
     ours = run_distributed(our_save_worker, 2, path, strategy, timeout=300)
     megatron = run_distributed(megatron_fsdp_load_worker, 2, path, timeout=300, fresh=True)
+    args = _saved_objects(path)["args"]            # what Megatron-LM's check_checkpoint_args reads
+    assert (args.num_layers, args.hidden_size, args.num_attention_heads) == (2, 32, 4)
     for rank in range(2):
         assert megatron[rank]["steps"] == {float(SAVED_ITERS)} and megatron[rank]["iteration"] == SAVED_ITERS
         torch.testing.assert_close(torch.tensor(megatron[rank]["losses"]), torch.tensor(ours[rank]),

@@ -47,7 +47,10 @@ size and with another ``--data-parallel-sharding-strategy``, model and optimizer
 or ``fully_reshardable`` with ``--dist-ckpt-optim-fully-reshardable``), so Megatron-LM with
 ``--use-distributed-optimizer`` resumes from it; ``--load`` of such a checkpoint written by
 Megatron-LM resumes with its optimizer state (``load_checkpoint`` is wrapped to read which layout the
-directory holds first: ``read_optimizer_layout``). docs/checkpointing.md has both recipes.
+directory holds first: ``read_optimizer_layout``). ``--load`` also reads Megatron-FSDP's
+``fsdp_dtensor`` directories, with ``--ckpt-format fsdp_dtensor`` (and no ``--save``) or with
+``--auto-detect-ckpt-format`` (``checkpoint_format_to_load``; ``load_megatron_fsdp_checkpoint``).
+docs/checkpointing.md has the recipes, both directions.
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ import torch
 from megatron_fsdp_v2 import STRATEGY_NAMES, AutoStrategy
 from megatron_fsdp_v2.megatron import (FullyShardedDataParallel, check_optimizer_config, get_optimizer,
                                        read_optimizer_layout)
+from megatron_fsdp_v2.megatron.checkpoint_format import CORE_DCP, FSDP_DTENSOR, TORCH_DIST, detect_checkpoint_format
 
 logger = logging.getLogger(__name__)
 
@@ -91,9 +95,14 @@ def check_launcher_args(args: argparse.Namespace) -> None:
                         f"got {strategy!r}")
     ckpt_format = getattr(args, "ckpt_format", "torch_dist")
     if (getattr(args, "save", None) or getattr(args, "load", None)) and ckpt_format != "torch_dist":
-        problems.append(f"--ckpt-format must be torch_dist with --save / --load (sharded, reshardable across "
-                        f"data-parallel sizes and strategies; torch, torch_dcp and fsdp_dtensor do not hold the "
-                        f"sharded optimizer state of this wrapper), got {ckpt_format!r}")
+        problems.append(f"--ckpt-format must be torch_dist with --save / --load, or fsdp_dtensor with --load alone "
+                        f"(sharded, reshardable across data-parallel sizes and strategies; torch and torch_dcp do "
+                        f"not hold the sharded optimizer state of this wrapper), got {ckpt_format!r}")
+    if getattr(args, "load_fsdp_dtensor", False) and getattr(args, "save", None):
+        problems.append("--ckpt-format fsdp_dtensor is read here, not written: to migrate from Megatron-FSDP pass "
+                        "--ckpt-format torch_dist --auto-detect-ckpt-format --load DIR --save DIR2 (or write "
+                        "Megatron-FSDP's layout from your own loop with "
+                        "megatron_fsdp_v2.megatron.fsdp_dtensor_format.save_fsdp_dtensor_checkpoint)")
     if getattr(args, "data_path", None) or getattr(args, "train_data_path", None):
         problems.append("this launcher trains on mock data only; drop --data-path / --train-data-path")
     if problems:
@@ -148,6 +157,24 @@ def take_launcher_flags(argv: List[str]) -> tuple:
     return out, auto, reserve
 
 
+def take_fsdp_dtensor_format(argv: List[str]) -> tuple:
+    """``(argv for Megatron, fsdp_dtensor asked?)``: ``--ckpt-format fsdp_dtensor`` becomes
+    ``torch_dist`` for Megatron's parser (its validation demands ``--use-megatron-fsdp`` with
+    fsdp_dtensor); the launcher's ``load_checkpoint`` then reads the directory with
+    ``load_fsdp_dtensor_training_state``."""
+    out, asked, i = [], False, 0
+    while i < len(argv):
+        flag, eq, value = argv[i].partition("=")
+        if flag == "--ckpt-format" and not eq and i + 1 < len(argv):
+            value, i = argv[i + 1], i + 1
+        if flag == "--ckpt-format" and value == "fsdp_dtensor":
+            asked, out = True, out + ["--ckpt-format", "torch_dist"]
+        else:
+            out += [argv[i]] if flag != "--ckpt-format" or eq else ["--ckpt-format", value]
+        i += 1
+    return out, asked
+
+
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     """Megatron-LM's argument parsing and validation (``argv`` defaults to ``sys.argv[1:]``),
     plus ``check_launcher_args``. Does not set Megatron's global variables.
@@ -158,8 +185,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     from megatron.training import arguments
 
     megatron_argv, auto, reserve = take_launcher_flags(list(sys.argv[1:] if argv is None else argv))
+    megatron_argv, load_fsdp_dtensor = take_fsdp_dtensor_format(megatron_argv)
     with _argv(megatron_argv):
         args = arguments.parse_args()
+    args.load_fsdp_dtensor = load_fsdp_dtensor
     if auto:
         args.data_parallel_sharding_strategy = "auto"
     args.activation_reserve_bytes = reserve
@@ -229,6 +258,8 @@ def use_fully_sharded_data_parallel(args: Optional[argparse.Namespace] = None):
     @functools.wraps(original_load)
     def load_checkpoint(ddp_model, optimizer, *args, **kwargs):
         directory = latest_checkpoint_directory()
+        if directory is not None and checkpoint_format_to_load(directory) == FSDP_DTENSOR:
+            return load_megatron_fsdp_checkpoint(directory, ddp_model, optimizer, *args, **kwargs)
         if optimizer is not None and directory is not None:
             read_optimizer_layout(optimizer, directory)     # ours, or Megatron DDP's (either sharding type)
         return original_load(ddp_model, optimizer, *args, **kwargs)
@@ -264,6 +295,41 @@ def latest_checkpoint_directory() -> Optional[str]:
         iteration, release = args.ckpt_step, False
     directory = checkpointing.get_checkpoint_name(args.load, iteration, release, return_base_dir=True)
     return directory if os.path.isfile(os.path.join(directory, ".metadata")) else None
+
+
+def checkpoint_format_to_load(directory: str) -> str:
+    """The format ``--load`` reads: the one found in ``directory`` with ``--auto-detect-ckpt-format``,
+    else the one asked for (``--ckpt-format torch_dist`` / ``fsdp_dtensor``), which must be the one found."""
+    from megatron.training.global_vars import get_args
+
+    args = get_args()
+    asked = FSDP_DTENSOR if getattr(args, "load_fsdp_dtensor", False) else TORCH_DIST
+    found = detect_checkpoint_format(directory)
+    if found == CORE_DCP or (found != asked and not getattr(args, "auto_detect_ckpt_format", False)):
+        raise ValueError(f"examples/pretrain_gpt.py: --load {directory!r} holds a {found} checkpoint, while "
+                         f"--ckpt-format {asked} was given; pass --auto-detect-ckpt-format (torch_dist and "
+                         f"fsdp_dtensor are read)" + (", or load it with megatron_fsdp_v2.megatron.load_checkpoint"
+                                                     if found == CORE_DCP else "") + ".")
+    return found
+
+
+def load_megatron_fsdp_checkpoint(directory: str, ddp_model, optimizer, opt_param_scheduler=None, *args, **kwargs):
+    """``load_checkpoint`` for a Megatron-FSDP fsdp_dtensor directory: model, optimizer (unless
+    ``--no-load-optim`` / ``--finetune``) and scheduler; returns Megatron-LM's ``(iteration, flops)``.
+    The checkpoint's pickled ``args`` are not read, so the consumed samples are counted from the
+    iteration at a constant ``--global-batch-size``."""
+    from megatron.training.global_vars import get_args
+
+    from megatron_fsdp_v2.megatron.fsdp_dtensor_format import load_fsdp_dtensor_training_state
+
+    margs = get_args()
+    fresh = margs.finetune or margs.no_load_optim
+    iteration, flops = load_fsdp_dtensor_training_state(directory, ddp_model[0], None if fresh else optimizer,
+                                                        None if fresh else opt_param_scheduler)
+    if margs.finetune:
+        return 0, 0
+    margs.consumed_train_samples = iteration * margs.global_batch_size
+    return iteration, flops
 
 
 @contextlib.contextmanager

@@ -14,6 +14,8 @@
   ``save_dist_checkpoint`` / ``load_dist_checkpoint`` do both in one call.
 * ``save_checkpoint`` / ``load_checkpoint`` (``dcp_checkpoint.py``): the core's DCP checkpoints for the
   wrapper and Megatron's optimizers (unwrapped to the ``fully_shard`` module and torch optimizer).
+* ``load_fsdp_dtensor_checkpoint`` / ``save_fsdp_dtensor_checkpoint`` (``fsdp_dtensor_format.py``):
+  Megatron-FSDP's ``--ckpt-format fsdp_dtensor``; ``detect_checkpoint_format`` (``checkpoint_format.py``).
 
 Not here (not installed): the Megatron-LM launcher ``examples/pretrain_gpt.py``, the CPU demo
 ``examples/megatron_demo.py`` and the CPU patches for the demo and the tests ``testing/cpu_compat.py``.
@@ -32,6 +34,9 @@ _EXPORTS = {
     "checkpoint_targets": "dcp_checkpoint",
     "check_ddp_config": "settings",
     "check_optimizer_config": "settings",
+    "detect_checkpoint_format": "checkpoint_format",
+    "load_fsdp_dtensor_checkpoint": "fsdp_dtensor_format",
+    "save_fsdp_dtensor_checkpoint": "fsdp_dtensor_format",
     "get_optimizer": "optimizer",
     "load_checkpoint": "dcp_checkpoint",
     "save_checkpoint": "dcp_checkpoint",

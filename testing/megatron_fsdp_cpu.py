@@ -1,0 +1,128 @@
+"""Megatron-FSDP (Megatron-Core 0.19.2's ``use_megatron_fsdp`` wrapper,
+``megatron.core.distributed.fsdp``) on CPU / gloo -- FOR THE TESTS ONLY, like cpu_compat.py.
+
+``megatron_fsdp_on_cpu()`` (use inside ``patch_megatron_for_cpu``) patches, while it is active:
+
+* the global ``torch`` of the Megatron-FSDP modules: cpu_compat's shim, plus ``torch.device("cuda:N")``
+  -> CPU, ``torch.cuda.current_device()`` -> 0 and streams / events whose ``wait`` / ``record`` are
+  no-ops (Megatron-FSDP checks ``self.device`` against ``cuda:<current device>`` and waits on
+  reduce-scatter events);
+* ``DeviceMesh.from_group(..., device_type="cuda")`` in ``mcore_fsdp_adapter``: a CPU mesh (DTensors
+  of a CUDA mesh move their local pieces to the GPU);
+* ``torch.Tensor.cuda``: the tensor itself (``validate_uneven_dtensor`` moves its boundary flags to
+  the GPU). Only Megatron code runs while this is active: build and train Megatron-FSDP inside it,
+  our wrapper outside.
+
+Also needed (a config, not a patch): ``DistributedDataParallelConfig(gradient_reduce_div_fusion=False)``
+(gloo has no ``PREMUL_SUM``). ``fill_empty_optimizer_states`` gives torch's Adam state to parameters
+whose shard is empty on this rank: torch's Adam (no Transformer Engine / apex) skips a parameter
+without a gradient, so ranks would disagree on the state's keys and Megatron's
+``preprocess_state_dict_for_uneven_dtensor`` (a collective per DTensor, in key order) would hang.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+
+import torch
+
+from testing.cpu_compat import _CpuTorchModule, _NullStream, _Patcher
+
+__all__ = ["MEGATRON_FSDP_MODULES", "fill_empty_optimizer_states", "megatron_fsdp_on_cpu"]
+
+MEGATRON_FSDP_MODULES = (
+    "megatron.core.distributed.fsdp.mcore_fsdp_adapter",
+    "megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp",
+    "megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer",
+    "megatron.core.distributed.fsdp.src.megatron_fsdp.utils",
+    "megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor",
+)
+
+_REAL_DEVICE = torch.device
+
+
+class _CpuDeviceType(type):
+    def __instancecheck__(cls, obj):
+        return isinstance(obj, _REAL_DEVICE)
+
+    def __call__(cls, *args, **kwargs):
+        if args and (isinstance(args[0], int) or (isinstance(args[0], str) and args[0].startswith("cuda"))):
+            return _REAL_DEVICE("cpu")
+        return _REAL_DEVICE(*args, **kwargs)
+
+
+class _CpuDevice(metaclass=_CpuDeviceType):
+    """``torch.device`` as the patched modules see it: CUDA devices are the CPU."""
+
+
+class _Event(_NullStream):
+    def wait(self, *_a, **_k):
+        pass
+
+    def record(self, *_a, **_k):
+        pass
+
+    def record_event(self, *_a, **_k):
+        return self
+
+
+class _FsdpCpuTorch(_CpuTorchModule):
+    def __init__(self):
+        super().__init__()
+        self.device = _CpuDevice
+        base = type(self.cuda)
+
+        class Cuda(base):
+            @staticmethod
+            def current_device():
+                return 0
+
+            @staticmethod
+            def current_stream(*_a, **_k):
+                return _Event()
+
+            @staticmethod
+            def Stream(*_a, **_k):  # noqa: N802 (mirrors torch.cuda.Stream)
+                return _Event()
+
+            @staticmethod
+            def Event(*_a, **_k):  # noqa: N802
+                return _Event()
+
+        self.cuda = Cuda()
+
+
+class _CpuMesh:
+    @staticmethod
+    def from_group(*args, **kwargs):
+        from torch.distributed import DeviceMesh
+
+        kwargs["device_type"] = "cpu"
+        return DeviceMesh.from_group(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def megatron_fsdp_on_cpu():
+    p = _Patcher()
+    try:
+        shim = _FsdpCpuTorch()
+        for name in MEGATRON_FSDP_MODULES:
+            p.setattr(importlib.import_module(name), "torch", shim)
+        p.setattr(importlib.import_module(MEGATRON_FSDP_MODULES[0]), "DeviceMesh", _CpuMesh)
+        p.setattr(torch.Tensor, "cuda", lambda tensor, *_a, **_k: tensor)
+        yield
+    finally:
+        p.undo()
+
+
+def fill_empty_optimizer_states(optimizer) -> None:
+    """Zero Adam state (and the others' step) for the parameters torch's Adam skipped on this rank."""
+    for leaf in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        inner = leaf.optimizer
+        steps = [s["step"] for s in inner.state.values() if "step" in s]
+        for group in inner.param_groups:
+            for param in group["params"]:
+                if not inner.state.get(param):
+                    inner.state[param] = {"step": steps[0].clone(), "exp_avg": torch.zeros_like(param),
+                                          "exp_avg_sq": torch.zeros_like(param)}

@@ -66,11 +66,12 @@ class GroupOffload:
         """``main_version()``, or None while the main parameters are being made (construction)."""
         return self.main_version() if getattr(self, "main_params", None) is not None else None
 
-    def start_upload(self) -> None:
+    def start_upload(self, after=None) -> None:
         """ZeRO-3: start the copy of the host main shard to the device compute-weight shard (right
-        after an optimizer step); the next gather of this group waits for it on the device."""
+        after an optimizer step); the next gather of this group waits for it on the device.
+        ``after``: see ``HostLink.copy`` (an upload from the thread of offload_steps.py)."""
         if self.offloaded is not None and self.strategy.weights_sharded:
-            self.offloaded.upload(self.main_shard, self.offloaded.compute_shard, self._version_now())
+            self.offloaded.upload(self.main_shard, self.offloaded.compute_shard, self._version_now(), after)
 
     def _refresh_whole_weights(self) -> None:
         """DDP: the compute weights from the main weights (a cast, or from the host: an upload the
@@ -88,4 +89,8 @@ class GroupOffload:
             return {}
         def nbytes(t):
             return t.numel() * t.element_size()
-        return {"host_main_weights": nbytes(self.main_shard), "host_grads": nbytes(self.offloaded.grad)}
+        out = {"host_main_weights": nbytes(self.main_shard), "host_grads": nbytes(self.offloaded.grad)}
+        staging = self.offloaded.grad_staging
+        if staging is not None:               # gradient accumulation: a later landing's values
+            out["host_grad_staging"] = nbytes(staging)
+        return out

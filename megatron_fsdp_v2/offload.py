@@ -56,17 +56,22 @@ class OffloadPolicy:
             on a CPU-only run, where there is nothing to pin for).
         overlap: copies on a side stream, overlapped with compute (default); ``False``: on the
             compute stream, synchronous (Megatron's ``overlap_cpu_optimizer_d2h_h2d=False``).
+        step_in_backward: step each offloaded group on a host thread as soon as its gradients
+            land in a backward outside ``no_sync()``, overlapped with the rest of backward
+            (ZeRO-Offload's overlap); exact, under the conditions of offload_steps.py's
+            [Note: offloaded steps during backward], which ``optimizer.step()`` checks.
     """
 
     fraction: float = 1.0
     pin_memory: bool = True
     overlap: bool = True
+    step_in_backward: bool = False
 
     def __post_init__(self) -> None:
         f = self.fraction
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f) or not 0 <= f <= 1:
             raise ValueError(f"offload: OffloadPolicy.fraction must be a number with 0 <= fraction <= 1, got {f!r}.")
-        for name in ("pin_memory", "overlap"):
+        for name in ("pin_memory", "overlap", "step_in_backward"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"offload: OffloadPolicy.{name} must be True or False, got {getattr(self, name)!r}.")
 
@@ -103,15 +108,27 @@ class HostLink:
         out.copy_(tensor.reshape(-1))
         return out
 
-    def copy(self, dst: torch.Tensor, make_src: Callable[[], torch.Tensor]):
-        """``dst.copy_(make_src())`` after the work queued so far on the compute stream, on the side
+    def mark(self):
+        """An event after the work queued so far on the compute stream (None without streams)."""
+        if self.stream is None:
+            return None
+        event = self._module.Event()
+        event.record(self._module.current_stream(self.device))
+        return event
+
+    def copy(self, dst: torch.Tensor, make_src: Callable[[], torch.Tensor], after=None):
+        """``dst.copy_(make_src())`` after the work queued so far on the compute stream (or after
+        ``after``, a ``mark()`` taken earlier: a copy issued from another host thread), on the side
         stream when there is one; returns its event (None: done already). ``make_src`` runs on
         that stream too, so device temporaries it allocates are that stream's."""
         if self.stream is None:
             with torch.no_grad():
                 dst.copy_(make_src())
             return None
-        self.stream.wait_stream(self._module.current_stream(self.device))
+        if after is not None:
+            self.stream.wait_event(after)
+        else:
+            self.stream.wait_stream(self._module.current_stream(self.device))
         with torch.no_grad(), self._module.stream(self.stream):
             src = make_src()
             dst.copy_(src, non_blocking=True)
@@ -143,7 +160,7 @@ class OffloadedGroup:
         self.link = link
         self.grad = link.host_empty(grad_numel, grad_dtype).zero_()
         self.grad_fresh = True            # holds nothing of this accumulation yet (zeroed lazily)
-        self._staging: Optional[torch.Tensor] = None     # a later landing's values, to add on the host
+        self.grad_staging: Optional[torch.Tensor] = None     # a later landing's values, to add on the host
         self._pending: list = []          # (event, what the host does once it completed)
         self.compute_shard = (torch.empty(compute_numel, dtype=compute_dtype, device=link.device)
                               if compute_numel else None)
@@ -157,8 +174,11 @@ class OffloadedGroup:
 
         ``overwrite`` is for a persistent source (DDP / ZeRO-1's full-size buffer, which the next
         backward writes again): the compute stream waits for its copy before going on. A
-        temporary source (ZeRO-2/3's reduce output) is only kept alive until its copy ran."""
-        self.flush()
+        temporary source (ZeRO-2/3's reduce output) is only kept alive until its copy ran.
+
+        A fresh landing writes the host gradient straight (no zeroing pass over it first, no
+        staging buffer); only a later landing of the same accumulation goes through ``staging``."""
+        self._settle()
         if overwrite or self.grad_fresh:
             def scaled():
                 out = reduced.to(self.grad.dtype)
@@ -168,20 +188,25 @@ class OffloadedGroup:
             if overwrite:
                 self.link.device_waits(event)
         else:
-            if self._staging is None:
-                self._staging = self.link.host_empty(self.grad.numel(), self.grad.dtype)
-            event = self.link.copy(self._staging, lambda: reduced.to(self.grad.dtype))
-            self._pending.append((event, lambda: self.grad.add_(self._staging, alpha=scale)))
+            if self.grad_staging is None:
+                self.grad_staging = self.link.host_empty(self.grad.numel(), self.grad.dtype)
+            event = self.link.copy(self.grad_staging, lambda: reduced.to(self.grad.dtype))
+            self._pending.append((event, lambda: self.grad.add_(self.grad_staging, alpha=scale)))
         self.grad_fresh = False
 
-    def flush(self) -> None:
-        """Make ``grad`` final on the host: wait for the copies, apply the pending additions."""
+    def _settle(self) -> None:
+        """Wait for the copies in flight and apply their pending additions."""
         pending, self._pending = self._pending, []
         for event, then in pending:
             self.link.host_waits(event)
             if then is not None:
                 with torch.no_grad():
                     then()
+
+    def flush(self) -> None:
+        """Make ``grad`` final on the host: wait for the copies, apply the pending additions (a
+        buffer nothing landed in since ``zero`` is zeroed now)."""
+        self._settle()
         if self.grad_fresh:
             self.grad.zero_()
             self.grad_fresh = False
@@ -192,13 +217,14 @@ class OffloadedGroup:
         self.grad_fresh = True
 
     # -- weights -----------------------------------------------------------------------------
-    def upload(self, main: torch.Tensor, dst: torch.Tensor, version: int) -> None:
-        """Start the copy of the host ``main`` shard into ``dst`` (device, compute dtype)."""
+    def upload(self, main: torch.Tensor, dst: torch.Tensor, version: int, after=None) -> None:
+        """Start the copy of the host ``main`` shard into ``dst`` (device, compute dtype); ``after``:
+        see ``HostLink.copy``."""
         if dst.dtype == main.dtype:
             make_src = lambda: main                                  # noqa: E731
         else:
             make_src = lambda: main.to(self.link.device, non_blocking=True)   # noqa: E731  cast on the device
-        self._upload_event = self.link.copy(dst, make_src)
+        self._upload_event = self.link.copy(dst, make_src, after)
         self.uploaded_version = version
 
     def wait_upload(self) -> None:

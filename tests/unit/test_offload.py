@@ -184,3 +184,23 @@ def test_offload_with_bf16_compute_and_reduce_is_bitwise_identical():
         for strategy in ("optim_grads_params", "optim"):
             want, got = result[(strategy, 0.0)], result[(strategy, 1.0)]
             assert all(torch.equal(got[n], want[n]) for n in want), strategy
+
+
+def staging_worker(rank, world_size):
+    """Host bytes after one step of one micro-batch and one of two (ZeRO-3, f = 1)."""
+    out = {}
+    for k in (1, 2):
+        model = _wrap("optim_grads_params", 1.0)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        _train(model, opt, rank, steps=2, k=k)
+        out[k] = model.persistent_bytes()
+    return out
+
+
+def test_a_fresh_landing_writes_the_host_gradient_without_a_staging_copy():
+    """The first landing after zero_grad overwrites the host gradient; only gradient accumulation
+    (a second landing) needs the staging buffer, added on the host."""
+    for result in run_distributed(staging_worker, 2):
+        assert "host_grad_staging" not in result[1]
+        assert result[2]["host_grad_staging"] == result[2]["host_grads"] == result[1]["host_grads"] > 0
+        assert result[1]["host_total"] == result[1]["host_main_weights"] + result[1]["host_grads"]

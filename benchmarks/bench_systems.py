@@ -80,15 +80,15 @@ OFFLOAD_OPTIONS: Dict[str, Any] = dict(step_in_backward=True, search_step=0.0)
 
 
 def offload_systems(fractions=(1.0,)) -> List[System]:
-    """CPU offload, side by side (``--systems offload``): ours ZeRO-3 at each fraction (then the
-    search for the smallest fraction that fits, ``ours-offload-min``, run by bench_offload.py),
-    FSDP2 with ``CPUOffloadPolicy`` and Megatron DDP with ``--optimizer-cpu-offload`` (fraction 1)."""
+    """CPU offload, side by side (``--systems offload``): ours ZeRO-3 at each fraction, FSDP2 with
+    ``CPUOffloadPolicy``, Megatron DDP with ``--optimizer-cpu-offload`` (fraction 1), then the search
+    for ours' smallest fraction that fits (``ours-offload-min``, run by bench_offload.py)."""
     out = [ours_offload(f, OFFLOAD_OPTIONS["step_in_backward"]) for f in fractions]
+    out.append(System("fsdp2-cpu_offload", "fsdp2", reshard_after_forward=True, offload=1.0))
+    out.append(System("megatron_ddp-cpu_offload", "megatron_ddp", strategy="optim", offload=1.0))
     if OFFLOAD_OPTIONS["search_step"]:
         out.append(System("ours-offload-min", "ours_search", strategy="optim_grads_params", offload=-1.0,
                           step_in_backward=OFFLOAD_OPTIONS["step_in_backward"]))
-    out.append(System("fsdp2-cpu_offload", "fsdp2", reshard_after_forward=True, offload=1.0))
-    out.append(System("megatron_ddp-cpu_offload", "megatron_ddp", strategy="optim", offload=1.0))
     return out
 
 

@@ -16,12 +16,16 @@ Per step, for an offloaded group:
 
   reduce lands     the reduced shard (device) is copied to the host gradient (``d2h``): on a
                    side stream, not waited for; the device copy is freed once the copy is done.
-                   The first landing since ``zero_grad`` writes the host gradient, later ones
-                   (gradient accumulation) are added on the host when the next landing or the
-                   end of backward needs them.
+                   The first landing since ``zero_grad`` writes the host gradient straight (no
+                   zeroing pass before it, no staging buffer); later ones (gradient
+                   accumulation) land in a host staging buffer (made once, kept) and are added
+                   on the host when the next landing or the end of backward needs them.
   end of backward  the host waits for the copies (``flush``); ``.grad`` of the host main
                    parameters point at the host gradient.
-  optimizer step   on the CPU for these parameters (the user's optimizer).
+  optimizer step   on the CPU for these parameters (the user's optimizer). Opted in with
+                   ``step_in_backward=True``, a non-root group steps on a host thread as soon
+                   as its gradient landed, overlapped with the rest of backward, and uploads
+                   from there (offload_steps.py, [Note: offloaded steps during backward]).
   after the step   the engine's post-step hook starts the host-to-device copy of the main shard
                    (``upload``) on the side stream, cast to the compute dtype on the device
                    (one group's main-dtype shard is a transient device buffer). ZeRO-3 keeps the
@@ -32,6 +36,14 @@ Per step, for an offloaded group:
 
 On a device without streams (CPU) every copy is a plain synchronous ``copy_``; the placement
 logic, the choice of groups and the arithmetic are the same, so CPU runs test them bitwise.
+
+Memory (ZeRO-3, N ranks, per offloaded parameter): on the device the compute-weight shard, 2/N
+bytes (bf16), kept from the upload after a step to the next step (both gathers, forward and
+backward, read it): this is what ours keeps above FSDP2's ``CPUOffloadPolicy``, which copies its
+fp32 shard to the device at every gather instead (twice per step, 8/N bytes over the link against
+our 4/N). On the host 4 (main) + 4 (gradient) + 8 (Adam) bytes / N, and 4 more with gradient
+accumulation (the staging buffer). Pinned host buffers come from torch's caching host allocator,
+which rounds each one up to a power of two (a group's buffer of 805 MB takes 1 GiB).
 """
 
 from __future__ import annotations

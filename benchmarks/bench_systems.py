@@ -76,7 +76,7 @@ def ours_offload(fraction: float, step_in_backward: bool = True) -> System:
 
 
 # bench_gpt's --offload-step-in-backward and --offload-search (set before the systems are listed)
-OFFLOAD_OPTIONS: Dict[str, Any] = dict(step_in_backward=True, search_step=0.0)
+OFFLOAD_OPTIONS: Dict[str, Any] = dict(step_in_backward=True, search_step=0.0, step_threads=None)
 
 
 def offload_systems(fractions=(1.0,)) -> List[System]:
@@ -339,7 +339,8 @@ def build_ours(ctx: Ctx, system: System) -> Built:
     from megatron_fsdp_v2 import OffloadPolicy
 
     gpt, _ = build_gpt(ctx, torch.float32)
-    offload = (OffloadPolicy(fraction=system.offload, pin_memory=True, step_in_backward=system.step_in_backward)
+    offload = (OffloadPolicy(fraction=system.offload, pin_memory=True, step_in_backward=system.step_in_backward,
+                             step_threads=OFFLOAD_OPTIONS["step_threads"] if system.step_in_backward else None)
                if system.offload is not None else None)
     model = fully_shard(gpt, sharding_strategy=system.strategy, unit_modules=[TransformerLayer],
                         mixed_precision=MixedPrecisionPolicy(param_dtype=torch.bfloat16),

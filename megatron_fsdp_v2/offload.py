@@ -72,12 +72,17 @@ class OffloadPolicy:
             land in a backward outside ``no_sync()``, overlapped with the rest of backward
             (ZeRO-Offload's overlap); exact, under the conditions of offload_steps.py's
             [Note: offloaded steps during backward], which ``optimizer.step()`` checks.
+        step_threads: with ``step_in_backward``, the intra-op threads of that host thread's CPU
+            steps (``torch.set_num_threads`` there; torch keeps it as the default of threads
+            started later too); None: torch's. Fewer than the cores leaves some to the threads
+            that launch the device's work meanwhile.
     """
 
     fraction: float = 1.0
     pin_memory: bool = True
     overlap: bool = True
     step_in_backward: bool = False
+    step_threads: Optional[int] = None
 
     def __post_init__(self) -> None:
         f = self.fraction
@@ -86,6 +91,9 @@ class OffloadPolicy:
         for name in ("pin_memory", "overlap", "step_in_backward"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"offload: OffloadPolicy.{name} must be True or False, got {getattr(self, name)!r}.")
+        n = self.step_threads
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ValueError(f"offload: OffloadPolicy.step_threads must be None or a positive int, got {n!r}.")
 
 
 def choose_offloaded(group_bytes: Sequence[int], fraction: float) -> frozenset:

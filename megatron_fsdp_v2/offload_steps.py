@@ -70,7 +70,7 @@ def install_backward_steps(engine, policy) -> None:
     """Give ``engine`` its thread if ``policy`` opts in and some group is offloaded."""
     link = next((g.offloaded.link for g in engine.groups if g.offloaded is not None), None)
     if policy is not None and policy.step_in_backward and link is not None:
-        engine.backward_steps = BackwardSteps(link)
+        engine.backward_steps = BackwardSteps(link, policy.step_threads)
 
 
 def _hyperparameters(optimizer) -> list:
@@ -118,8 +118,9 @@ class _Attached:
 class BackwardSteps:
     """The host thread stepping offloaded groups during backward, and what the step checks."""
 
-    def __init__(self, link) -> None:
+    def __init__(self, link, threads: Optional[int] = None) -> None:
         self.link = link
+        self.threads = threads
         self._optimizer: Optional[weakref.ref] = None
         self._optimizer_ids: set = set()
         self._queue: "queue.Queue" = queue.Queue()
@@ -144,7 +145,8 @@ class BackwardSteps:
             return False
         self._handed.add(id(group))
         if self._thread is None:
-            self._thread = threading.Thread(target=_work, args=(self._queue, weakref.ref(self), self.link.device),
+            self._thread = threading.Thread(target=_work, args=(self._queue, weakref.ref(self), self.link.device,
+                                                                self.threads),
                                             name="megatron_fsdp_v2 offloaded steps", daemon=True)
             self._thread.start()
         self._queue.put((group, optimizer, unused_grads_are_none, self.link.mark()))
@@ -247,9 +249,11 @@ class BackwardSteps:
                 main.grad = grad
 
 
-def _work(tasks: "queue.Queue", owner: "weakref.ref", device: torch.device) -> None:
+def _work(tasks: "queue.Queue", owner: "weakref.ref", device: torch.device, threads: Optional[int]) -> None:
     if device.type != "cpu":
         torch.get_device_module(device).set_device(device)
+    if threads is not None:
+        torch.set_num_threads(threads)
     while True:
         task = tasks.get()
         try:

@@ -149,3 +149,9 @@ def test_broken_promises_are_refused_naming_them(errors, case, message):
 def test_step_in_backward_must_be_a_bool():
     with pytest.raises(TypeError, match=r"OffloadPolicy\.step_in_backward must be True or False, got 1"):
         OffloadPolicy(step_in_backward=1)
+
+
+@pytest.mark.parametrize("bad", [0, -2, 1.5, True])
+def test_step_threads_must_be_a_positive_int(bad):
+    with pytest.raises(ValueError, match=r"OffloadPolicy\.step_threads must be None or a positive int, got"):
+        OffloadPolicy(step_in_backward=True, step_threads=bad)

@@ -311,6 +311,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--offload-step-in-backward", type=int, choices=(0, 1), default=1,
                    help="ours-offload<f>: OffloadPolicy(step_in_backward=...) (default 1: offloaded groups step "
                    "on a host thread during backward)")
+    g.add_argument("--offload-release-after-gather", type=int, choices=(0, 1), default=0,
+                   help="ours-offload<f>: OffloadPolicy(release_after_gather=...): compute shards only around their "
+                   "gathers, FSDP2-offload's memory for one more upload per step (default 0)")
     g.add_argument("--offload-step-threads", type=int, default=0,
                    help="with step in backward: OffloadPolicy(step_threads=N), the CPU step's threads (default 0 = torch's)")
     g.add_argument("--cpu-threads", type=int, default=0,
@@ -349,7 +352,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if not 0 <= args.offload_search <= 1:
         p.error(f"--offload-search must be a grid step in (0, 1] (or 0: off), got {args.offload_search}")
     OFFLOAD_OPTIONS.update(step_in_backward=bool(args.offload_step_in_backward), search_step=args.offload_search,
-                           step_threads=args.offload_step_threads or None)
+                           step_threads=args.offload_step_threads or None,
+                           release_after_gather=bool(args.offload_release_after_gather))
 
     small = dict(layers=2, hidden=256, heads=4, seq=256, micro_batch=2, vocab=4096, steps=20, warmup=3)
     full = dict(layers=16, hidden=2048, heads=16, seq=2048, micro_batch=4, vocab=32000, steps=20, warmup=3)

@@ -52,6 +52,7 @@ class System:
         if self.kind == "ours":
             split = ", reduce_root_per_child=True" if self.reduce_root_per_child else ""
             sib = ", step_in_backward=True" if self.step_in_backward else ""
+            sib += ", release_after_gather=True" if OFFLOAD_OPTIONS["release_after_gather"] else ""
             off = f", offload=OffloadPolicy(fraction={self.offload:g}{sib})" if self.offload is not None else ""
             return f"fully_shard({self.strategy}, allocator={self.allocator}{split}{off}) = {ZERO_NAME[self.strategy]}"
         if self.kind == "ours_search":
@@ -76,7 +77,8 @@ def ours_offload(fraction: float, step_in_backward: bool = True) -> System:
 
 
 # bench_gpt's --offload-step-in-backward and --offload-search (set before the systems are listed)
-OFFLOAD_OPTIONS: Dict[str, Any] = dict(step_in_backward=True, search_step=0.0, step_threads=None)
+OFFLOAD_OPTIONS: Dict[str, Any] = dict(step_in_backward=True, search_step=0.0, step_threads=None,
+                                       release_after_gather=False)
 
 
 def offload_systems(fractions=(1.0,)) -> List[System]:
@@ -340,7 +342,8 @@ def build_ours(ctx: Ctx, system: System) -> Built:
 
     gpt, _ = build_gpt(ctx, torch.float32)
     offload = (OffloadPolicy(fraction=system.offload, pin_memory=True, step_in_backward=system.step_in_backward,
-                             step_threads=OFFLOAD_OPTIONS["step_threads"] if system.step_in_backward else None)
+                             step_threads=OFFLOAD_OPTIONS["step_threads"] if system.step_in_backward else None,
+                             release_after_gather=OFFLOAD_OPTIONS["release_after_gather"])
                if system.offload is not None else None)
     model = fully_shard(gpt, sharding_strategy=system.strategy, unit_modules=[TransformerLayer],
                         mixed_precision=MixedPrecisionPolicy(param_dtype=torch.bfloat16),

@@ -198,6 +198,8 @@ class Engine:
             return output
         if not self.phase.is_(Phase.BACKWARD):   # recomputation inside backward keeps weights
             unit.reshard()
+            if torch.is_grad_enabled() and self.forward_order.neighbour(unit, +1) is None:
+                unit.prefetch_uploads()           # (offload) the first unit of backward, its shard again
         self._register_pre_backward(unit, output, record)
         return output
 
@@ -253,6 +255,8 @@ class Engine:
             prev = self.forward_order.neighbour(unit, -1)
             if prev is not None and not prev.is_root and prev.worth_prefetching:
                 prev.unshard(async_op=True)
+            elif prev is not None:
+                prev.prefetch_uploads()           # (offload: a released compute shard, copied ahead)
         unit.wait_unshard()
 
     def _on_backward_start(self) -> None:

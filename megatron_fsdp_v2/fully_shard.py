@@ -23,7 +23,7 @@ from .engine import Engine
 from .experts import expert_names_refusal
 from .layout import default_alignment  # noqa: F401  (fully_shard.default_alignment, as before)
 from .mixed_precision import MixedPrecisionPolicy
-from .offload import HostLink, OffloadPolicy, choose_offloaded
+from .offload import HostLink, OffloadPolicy, choose_offloaded, release_shards_after_gathers
 from .offload_steps import install_backward_steps
 from .param_swap import ParamSlots
 from .plan.resolve import AutoStrategy, resolve_auto_strategy
@@ -235,6 +235,7 @@ class FullyShardedModule:
         for index in sorted(chosen):
             engine.groups[index].offload_main(link)
         install_backward_steps(engine, offload)
+        release_shards_after_gathers(engine.units, offload)
 
     # -- full (unsharded) state dict ---------------------------------------------------------
     def full_state_dict(self) -> "OrderedDict[str, torch.Tensor]":
@@ -423,6 +424,7 @@ def fully_shard(
     engine.broadcast_buffers = bool(broadcast_buffers)
     engine.unused_grads_are_none = unused_param_grads == "none"
     install_backward_steps(engine, offload)
+    release_shards_after_gathers(engine.units, offload)
     return module
 
 

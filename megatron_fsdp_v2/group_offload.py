@@ -61,6 +61,7 @@ class GroupOffload:
         offloaded.wait_upload()
         if self.strategy.weights_sharded:
             slot.copy_(offloaded.compute_shard)
+            offloaded.after_gather()
 
     def _version_now(self) -> Optional[int]:
         """``main_version()``, or None while the main parameters are being made (construction)."""
@@ -71,7 +72,13 @@ class GroupOffload:
         after an optimizer step); the next gather of this group waits for it on the device.
         ``after``: see ``HostLink.copy`` (an upload from the thread of offload_steps.py)."""
         if self.offloaded is not None and self.strategy.weights_sharded:
-            self.offloaded.upload(self.main_shard, self.offloaded.compute_shard, self._version_now(), after)
+            self.offloaded.upload(self.main_shard, self.offloaded.device_compute_shard(), self._version_now(), after)
+
+    def prefetch_upload(self) -> None:
+        """ZeRO-3, ``release_after_gather``: copy a released compute shard back ahead of its gather."""
+        offloaded = self.offloaded
+        if offloaded is not None and self.strategy.weights_sharded and offloaded.compute_shard is None:
+            self.start_upload()
 
     def _refresh_whole_weights(self) -> None:
         """DDP: the compute weights from the main weights (a cast, or from the host: an upload the

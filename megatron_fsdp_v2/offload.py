@@ -54,7 +54,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-__all__ = ["HostLink", "OffloadPolicy", "OffloadedGroup", "choose_offloaded"]
+__all__ = ["HostLink", "OffloadPolicy", "OffloadedGroup", "choose_offloaded", "release_shards_after_gathers"]
 
 
 @dataclass(frozen=True)
@@ -76,6 +76,11 @@ class OffloadPolicy:
             steps (``torch.set_num_threads`` there; torch keeps it as the default of threads
             started later too); None: torch's. Fewer than the cores leaves some to the threads
             that launch the device's work meanwhile.
+        release_after_gather: ZeRO-3: a non-root offloaded group's device compute-weight shard
+            is freed once a gather read it and copied from the host again before the next
+            (before its backward: prefetched when the unit after it in forward order begins its
+            backward), as FSDP2's ``CPUOffloadPolicy`` keeps no weights on the device: a lower
+            peak for one more host-to-device copy of those groups per step.
     """
 
     fraction: float = 1.0
@@ -83,12 +88,13 @@ class OffloadPolicy:
     overlap: bool = True
     step_in_backward: bool = False
     step_threads: Optional[int] = None
+    release_after_gather: bool = False
 
     def __post_init__(self) -> None:
         f = self.fraction
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f) or not 0 <= f <= 1:
             raise ValueError(f"offload: OffloadPolicy.fraction must be a number with 0 <= fraction <= 1, got {f!r}.")
-        for name in ("pin_memory", "overlap", "step_in_backward"):
+        for name in ("pin_memory", "overlap", "step_in_backward", "release_after_gather"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"offload: OffloadPolicy.{name} must be True or False, got {getattr(self, name)!r}.")
         n = self.step_threads
@@ -109,6 +115,17 @@ def choose_offloaded(group_bytes: Sequence[int], fraction: float) -> frozenset:
     return frozenset(chosen)
 
 
+def release_shards_after_gathers(units: Sequence, policy: Optional[OffloadPolicy]) -> None:
+    """``policy.release_after_gather``: the offloaded groups of non-root units free their device
+    compute shard after each gather (the root's stay: it is gathered at both ends of backward)."""
+    if policy is None or not policy.release_after_gather:
+        return
+    for unit in units:
+        for group in ([] if unit.is_root else unit.groups):
+            if group.offloaded is not None:
+                group.offloaded.release_after_gather = True
+
+
 class HostLink:
     """The copies between one device and host memory, and the side stream they run on."""
 
@@ -118,7 +135,9 @@ class HostLink:
         accelerator = device.type != "cpu"
         self.pin = policy.pin_memory and accelerator
         self._module = torch.get_device_module(device) if accelerator else None
+        # two side streams: gradients down and weights up run on the two copy directions at once
         self.stream = self._module.Stream(device=device) if accelerator and policy.overlap else None
+        self.upload_stream = self._module.Stream(device=device) if self.stream is not None else None
 
     def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype, device=self.host, pin_memory=self.pin)
@@ -136,28 +155,30 @@ class HostLink:
         event.record(self._module.current_stream(self.device))
         return event
 
-    def copy(self, dst: torch.Tensor, make_src: Callable[[], torch.Tensor], after=None):
+    def copy(self, dst: torch.Tensor, make_src: Callable[[], torch.Tensor], after=None, upload: bool = False):
         """``dst.copy_(make_src())`` after the work queued so far on the compute stream (or after
-        ``after``, a ``mark()`` taken earlier: a copy issued from another host thread), on the side
-        stream when there is one; returns its event (None: done already). ``make_src`` runs on
-        that stream too, so device temporaries it allocates are that stream's."""
+        ``after``, a ``mark()`` taken earlier: a copy issued from another host thread), on a side
+        stream when there is one (``upload``: the host-to-device one); returns its event (None:
+        done already). ``make_src`` runs on that stream too, so device temporaries it allocates
+        are that stream's."""
         if self.stream is None:
             with torch.no_grad():
                 dst.copy_(make_src())
             return None
+        stream = self.upload_stream if upload else self.stream
         if after is not None:
-            self.stream.wait_event(after)
+            stream.wait_event(after)
         else:
-            self.stream.wait_stream(self._module.current_stream(self.device))
-        with torch.no_grad(), self._module.stream(self.stream):
+            stream.wait_stream(self._module.current_stream(self.device))
+        with torch.no_grad(), self._module.stream(stream):
             src = make_src()
             dst.copy_(src, non_blocking=True)
             if src.device != self.host:
-                src.record_stream(self.stream)      # the caching allocator keeps it until the copy ran
+                src.record_stream(stream)           # the caching allocator keeps it until the copy ran
             if dst.device != self.host:
-                dst.record_stream(self.stream)
+                dst.record_stream(stream)
             event = self._module.Event()
-            event.record(self.stream)
+            event.record(stream)
         return event
 
     def device_waits(self, event) -> None:
@@ -182,8 +203,10 @@ class OffloadedGroup:
         self.grad_fresh = True            # holds nothing of this accumulation yet (zeroed lazily)
         self.grad_staging: Optional[torch.Tensor] = None     # a later landing's values, to add on the host
         self._pending: list = []          # (event, what the host does once it completed)
+        self._compute = (compute_numel, compute_dtype)
         self.compute_shard = (torch.empty(compute_numel, dtype=compute_dtype, device=link.device)
                               if compute_numel else None)
+        self.release_after_gather = False     # OffloadPolicy.release_after_gather, for non-root groups
         self._upload_event = None
         self.uploaded_version: Optional[int] = None
 
@@ -244,8 +267,22 @@ class OffloadedGroup:
             make_src = lambda: main                                  # noqa: E731
         else:
             make_src = lambda: main.to(self.link.device, non_blocking=True)   # noqa: E731  cast on the device
-        self._upload_event = self.link.copy(dst, make_src, after)
+        self._upload_event = self.link.copy(dst, make_src, after, upload=True)
         self.uploaded_version = version
+
+    def device_compute_shard(self) -> torch.Tensor:
+        """ZeRO-3's device compute-weight shard, made again if it was released."""
+        if self.compute_shard is None:
+            numel, dtype = self._compute
+            self.compute_shard = torch.empty(numel, dtype=dtype, device=self.link.device)
+        return self.compute_shard
+
+    def after_gather(self) -> None:
+        """A gather read the compute shard: free it if the policy says so (the next gather, seeing
+        no upload of the current version, copies it again)."""
+        if self.release_after_gather:
+            self.compute_shard = None             # (allocated on the compute stream, read there last)
+            self.uploaded_version = None
 
     def wait_upload(self) -> None:
         """The compute stream waits for the last upload."""

@@ -125,4 +125,4 @@ def test_megatron_offload_settings_are_checked_naming_them(results):
 
 def test_launcher_flags_reach_the_offload_policy(results):
     assert results[0]["launcher"] == ("OffloadPolicy(fraction=0.5, pin_memory=True, overlap=True, "
-                                      "step_in_backward=False, step_threads=None)")
+                                      "step_in_backward=False, step_threads=None, release_after_gather=False)")

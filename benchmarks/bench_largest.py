@@ -154,7 +154,8 @@ def build_ours_meta(ctx: Ctx, system: System) -> Built:
     offload = None
     if system.offload is not None:
         check_host_memory(ctx, system.offload)
-        offload = OffloadPolicy(fraction=system.offload, pin_memory=True, step_in_backward=True)   # fused AdamW
+        # (step in backward needs the optimizer's kernel chosen: fused AdamW, on a GPU)
+        offload = OffloadPolicy(fraction=system.offload, pin_memory=True, step_in_backward=_fused_ok(ctx))
     gpt, config = build_gpt(ctx, torch.float32)           # on meta
     model = fully_shard(gpt, sharding_strategy=system.strategy, unit_modules=[TransformerLayer],
                         mixed_precision=MixedPrecisionPolicy(param_dtype=torch.bfloat16),

@@ -389,9 +389,10 @@ class Engine:
     # ------------------------------------------------------------------ between backward and step
     def before_optimizer_step(self, optimizer, stepped: set, args, kwargs) -> None:
         """``optimizer`` (holding the main parameters ``stepped``) begins its step (optimizer_hook.py)."""
-        done = set() if self.backward_steps is None else self.backward_steps.before_step(optimizer, stepped, args, kwargs)
+        if self.backward_steps is not None:
+            self.backward_steps.before_step(optimizer, stepped, args, kwargs)
         self.check_ready_for_optimizer_step()
-        self.mark_main_weights_changed(stepped - done)      # (groups stepped and uploaded in backward: not)
+        self.mark_main_weights_changed(stepped)
 
     def after_optimizer_step(self) -> None:
         self.refresh_weights()

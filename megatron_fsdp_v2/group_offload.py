@@ -57,6 +57,11 @@ class GroupOffload:
         if not self.strategy.weights_sharded:            # ZeRO-1/2: straight into the replicated weights
             offloaded.upload(self.main_shard, slot, self._version_now())
         elif offloaded.uploaded_version is None or offloaded.uploaded_version != self._version_now():
+            if offloaded.stepped_early:                  # the host holds next step's weights already
+                raise RuntimeError(
+                    f"offload: group {self.name} was gathered again in the backward that stepped it "
+                    "(OffloadPolicy(step_in_backward=True)): a weight of it is used after its gradients "
+                    "were complete; use step_in_backward=False for this model.")
             self.start_upload()                          # changed since the post-step upload (a load)
         offloaded.wait_upload()
         if self.strategy.weights_sharded:
@@ -67,12 +72,11 @@ class GroupOffload:
         """``main_version()``, or None while the main parameters are being made (construction)."""
         return self.main_version() if getattr(self, "main_params", None) is not None else None
 
-    def start_upload(self, after=None) -> None:
+    def start_upload(self) -> None:
         """ZeRO-3: start the copy of the host main shard to the device compute-weight shard (right
-        after an optimizer step); the next gather of this group waits for it on the device.
-        ``after``: see ``HostLink.copy`` (an upload from the thread of offload_steps.py)."""
+        after an optimizer step); the next gather of this group waits for it on the device."""
         if self.offloaded is not None and self.strategy.weights_sharded:
-            self.offloaded.upload(self.main_shard, self.offloaded.device_compute_shard(), self._version_now(), after)
+            self.offloaded.upload(self.main_shard, self.offloaded.device_compute_shard(), self._version_now())
 
     def prefetch_upload(self) -> None:
         """ZeRO-3, ``release_after_gather``: copy a released compute shard back ahead of its gather."""

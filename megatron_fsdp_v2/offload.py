@@ -24,8 +24,8 @@ Per step, for an offloaded group:
                    parameters point at the host gradient.
   optimizer step   on the CPU for these parameters (the user's optimizer). Opted in with
                    ``step_in_backward=True``, a non-root group steps on a host thread as soon
-                   as its gradient landed, overlapped with the rest of backward, and uploads
-                   from there (offload_steps.py, [Note: offloaded steps during backward]).
+                   as its gradient landed, overlapped with the rest of backward
+                   (offload_steps.py, [Note: offloaded steps during backward]).
   after the step   the engine's post-step hook starts the host-to-device copy of the main shard
                    (``upload``) on the side stream, cast to the compute dtype on the device
                    (one group's main-dtype shard is a transient device buffer). ZeRO-3 keeps the
@@ -147,17 +147,8 @@ class HostLink:
         out.copy_(tensor.reshape(-1))
         return out
 
-    def mark(self):
-        """An event after the work queued so far on the compute stream (None without streams)."""
-        if self.stream is None:
-            return None
-        event = self._module.Event()
-        event.record(self._module.current_stream(self.device))
-        return event
-
-    def copy(self, dst: torch.Tensor, make_src: Callable[[], torch.Tensor], after=None, upload: bool = False):
-        """``dst.copy_(make_src())`` after the work queued so far on the compute stream (or after
-        ``after``, a ``mark()`` taken earlier: a copy issued from another host thread), on a side
+    def copy(self, dst: torch.Tensor, make_src: Callable[[], torch.Tensor], upload: bool = False):
+        """``dst.copy_(make_src())`` after the work queued so far on the compute stream, on a side
         stream when there is one (``upload``: the host-to-device one); returns its event (None:
         done already). ``make_src`` runs on that stream too, so device temporaries it allocates
         are that stream's."""
@@ -166,10 +157,7 @@ class HostLink:
                 dst.copy_(make_src())
             return None
         stream = self.upload_stream if upload else self.stream
-        if after is not None:
-            stream.wait_event(after)
-        else:
-            stream.wait_stream(self._module.current_stream(self.device))
+        stream.wait_stream(self._module.current_stream(self.device))
         with torch.no_grad(), self._module.stream(stream):
             src = make_src()
             dst.copy_(src, non_blocking=True)
@@ -207,6 +195,7 @@ class OffloadedGroup:
         self.compute_shard = (torch.empty(compute_numel, dtype=compute_dtype, device=link.device)
                               if compute_numel else None)
         self.release_after_gather = False     # OffloadPolicy.release_after_gather, for non-root groups
+        self.stepped_early = False            # stepped during this backward (offload_steps.py)
         self._upload_event = None
         self.uploaded_version: Optional[int] = None
 
@@ -260,14 +249,13 @@ class OffloadedGroup:
         self.grad_fresh = True
 
     # -- weights -----------------------------------------------------------------------------
-    def upload(self, main: torch.Tensor, dst: torch.Tensor, version: int, after=None) -> None:
-        """Start the copy of the host ``main`` shard into ``dst`` (device, compute dtype); ``after``:
-        see ``HostLink.copy``."""
+    def upload(self, main: torch.Tensor, dst: torch.Tensor, version: int) -> None:
+        """Start the copy of the host ``main`` shard into ``dst`` (device, compute dtype)."""
         if dst.dtype == main.dtype:
             make_src = lambda: main                                  # noqa: E731
         else:
             make_src = lambda: main.to(self.link.device, non_blocking=True)   # noqa: E731  cast on the device
-        self._upload_event = self.link.copy(dst, make_src, after, upload=True)
+        self._upload_event = self.link.copy(dst, make_src, upload=True)
         self.uploaded_version = version
 
     def device_compute_shard(self) -> torch.Tensor:

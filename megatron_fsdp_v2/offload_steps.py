@@ -6,10 +6,12 @@ this it runs after backward, while the device idles. ZeRO-Offload's answer (Deep
 a group's host parameters as soon as its gradients land there. Here, opted in with
 ``OffloadPolicy(step_in_backward=True)``, each offloaded group of a non-root unit whose reduce
 lands in a backward outside ``no_sync()`` is handed to one host thread, which waits for its
-gradient copy, points the main parameters' ``.grad`` at it, steps exactly those parameters with
-the user's own optimizer and (ZeRO-3) starts the upload of the new weights. ``optimizer.step()``
+gradient copy, points the main parameters' ``.grad`` at it and steps exactly those parameters
+with the user's own optimizer (its class's ``step`` below torch's step hooks, on a shallow view of
+the optimizer whose param groups hold only them; the state dict is shared). ``optimizer.step()``
 then waits for the thread and steps only the rest (the stepped parameters' ``.grad`` are None
-during it and put back after it), so every parameter is stepped once per step, by the same code.
+during it and put back after it), so every parameter is stepped once per step, by the same code;
+its post-step hook uploads every group's new weights as without this option.
 
 It is exact, not approximate: the per-parameter update of ``torch.optim.Adam`` / ``AdamW`` / ``SGD``
 does not depend on the other parameters stepped with it, provided the kernel is chosen by the user
@@ -20,18 +22,23 @@ opting in, and what is checked at ``optimizer.step()`` (a clear error, never a s
 * the backward outside ``no_sync()`` is the last before ``optimizer.step()``: a further backward,
   a forward, ``zero_grad`` or ``scale_gradients`` / ``clip_grad_norm_`` before the step raise;
   a gradient changed in place by other code (torch's ``clip_grad_norm_``, a grad scaler) is seen
-  by its version counter and raises at the step;
+  by its version counter and raises at the step (torch's foreach in-place ops on DTensor
+  gradients bump no counter: with DTensor parameters ``model.clip_grad_norm_`` is the one seen);
 * the optimizer's hyperparameters at the step are those the thread used (an LR scheduler steps
   after ``optimizer.step()``): compared at the step, a difference raises;
 * one optimizer steps the model, a ``torch.optim`` Adam / AdamW / SGD (type checked), without a
   closure. The optimizer is learned at its first step, which runs unchanged; the thread takes over
   from the second step on.
 
+* no weight of a stepped group is gathered again in the same backward (a weight used after its
+  gradients are complete): such a gather raises rather than read the new weights (ZeRO-3).
+
 Root-unit groups (embedding, output layer) are not handed over: they are gathered through backward
-and their gradients complete last, so nothing would overlap. Uploads run on the thread only for
-ZeRO-3 (a host-to-device copy); ZeRO-1/2 and DDP refresh their weights after ``optimizer.step()``
-as without this (their refresh is a collective, issued in one order on every rank by the main
-thread).
+and their gradients complete last, so nothing would overlap. The weights go back to the device
+after ``optimizer.step()`` (the device's compute weights must stay the old ones until backward
+ends; ZeRO-1/2's refresh is a collective, issued in one order on every rank by the main thread).
+``check_for_nan_in_grad`` models do not hand groups over (the check reads every gradient before
+any step).
 """
 
 from __future__ import annotations
@@ -149,7 +156,7 @@ class BackwardSteps:
                                                                 self.threads),
                                             name="megatron_fsdp_v2 offloaded steps", daemon=True)
             self._thread.start()
-        self._queue.put((group, optimizer, unused_grads_are_none, self.link.mark()))
+        self._queue.put((group, optimizer, unused_grads_are_none))
         return True
 
     def attach(self, group, unused_grads_are_none: bool) -> None:
@@ -161,19 +168,18 @@ class BackwardSteps:
         if self._handed:
             self._others.append(_Attached(group))
 
-    def _run(self, group, optimizer, unused_grads_are_none: bool, after) -> None:
+    def _run(self, group, optimizer, unused_grads_are_none: bool) -> None:
         if self._error is not None:
             return
         try:
             group.offloaded.flush()
             group.attach_main_grads(none_if_unused=unused_grads_are_none)
             record = _Attached(group, _hyperparameters(optimizer))
+            group.offloaded.stepped_early = True
             with torch.no_grad():
                 _step_subset(optimizer, list(group.main_params))
             self._stepped[id(group)] = record
             self.groups_stepped += 1
-            if group.strategy.weights_sharded and group.levels is None:
-                group.start_upload(after=after)
         except BaseException as exc:   # noqa: BLE001 -- raised in the main thread at the next wait
             self._error = exc
 
@@ -198,9 +204,8 @@ class BackwardSteps:
                 "optimizer.step(): that backward must be the last before the step, and the gradients "
                 "must stay as it left them (no clipping or scaling; use step_in_backward=False for that).")
 
-    def before_step(self, optimizer, stepped_ids: set, args, kwargs) -> set:
-        """``optimizer.step()`` begins: wait, check, hide the stepped groups' ``.grad``. Returns the
-        ids of main parameters already stepped and uploaded (no refresh needed)."""
+    def before_step(self, optimizer, stepped_ids: set, args, kwargs) -> None:
+        """``optimizer.step()`` begins: wait, check, hide the stepped groups' ``.grad``."""
         self.wait()
         if self.optimizer is not optimizer:
             if self._stepped:
@@ -215,7 +220,6 @@ class BackwardSteps:
             check_steppable(optimizer, args, kwargs)
         self._optimizer_ids = set(stepped_ids)
         now = _hyperparameters(optimizer)
-        uploaded = set()
         others, self._others = self._others, []
         for record in others:
             if record.changed():
@@ -237,14 +241,12 @@ class BackwardSteps:
                     "after optimizer.step() (as LR schedulers do).")
             for main in record.group.main_params:
                 main.grad = None
-            if record.group.strategy.weights_sharded:
-                uploaded.update(id(m) for m in record.group.main_params)
-        return uploaded
 
     def after_step(self) -> None:
         """Put the stepped groups' ``.grad`` back; the next backward's groups start afresh."""
         stepped, self._stepped = self._stepped, {}
         for record in stepped.values():
+            record.group.offloaded.stepped_early = False
             for main, grad in zip(record.group.main_params, record.grads):
                 main.grad = grad
 

@@ -315,7 +315,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="ours-offload<f>: OffloadPolicy(release_after_gather=...): compute shards only around their "
                    "gathers, FSDP2-offload's memory for one more upload per step (default 0)")
     g.add_argument("--offload-step-threads", type=int, default=0,
-                   help="with step in backward: OffloadPolicy(step_threads=N), the CPU step's threads (default 0 = torch's)")
+                   help="with step in backward: OffloadPolicy(step_threads=N), the CPU step's threads "
+                   "(default 0 = torch's)")
     g.add_argument("--cpu-threads", type=int, default=0,
                    help="torch.set_num_threads(N) before any system (the CPU optimizer steps; default 0 = torch's)")
     g.add_argument("--steps", type=int, default=None, help="timed steps (default 20)")

@@ -208,37 +208,32 @@ class BackwardSteps:
         """``optimizer.step()`` begins: wait, check, hide the stepped groups' ``.grad``."""
         self.wait()
         if self.optimizer is not optimizer:
-            if self._stepped:
-                raise RuntimeError(f"offload: {type(optimizer).__name__} steps this model while groups wait "
-                                   "for the optimizer that stepped them during backward (step_in_backward=True).")
-            if self.optimizer is not None and not self._optimizer_ids.isdisjoint(stepped_ids):
-                raise ValueError("offload: OffloadPolicy(step_in_backward=True) needs one optimizer over the "
-                                 "model's parameters; a second one steps some of them.")
+            if self.optimizer is not None:
+                raise ValueError(f"offload: OffloadPolicy(step_in_backward=True) needs one optimizer over the "
+                                 f"model's parameters; {type(optimizer).__name__} steps some of them besides the "
+                                 f"{type(self.optimizer).__name__} that stepped them first.")
             check_steppable(optimizer, args, kwargs)
             self._optimizer = weakref.ref(optimizer)
         elif args or kwargs.get("closure") is not None:
             check_steppable(optimizer, args, kwargs)
         self._optimizer_ids = set(stepped_ids)
-        now = _hyperparameters(optimizer)
         others, self._others = self._others, []
-        for record in others:
+        for record in others + list(self._stepped.values()):
             if record.changed():
-                raise RuntimeError(
-                    f"offload: the gradients of group {record.group.name} changed after backward while other "
-                    "groups had stepped during it (OffloadPolicy(step_in_backward=True)): clipping or scaling "
-                    "them needs step_in_backward=False.")
+                when = "after it stepped during backward" if record.hyper is not None else \
+                    "after backward while other groups had stepped during it"
+                raise RuntimeError(f"offload: the gradients of group {record.group.name} changed {when} "
+                                   "(OffloadPolicy(step_in_backward=True)): clipping or scaling them needs "
+                                   "step_in_backward=False.")
+        now = _hyperparameters(optimizer) if self._stepped else None
         for record in self._stepped.values():
-            if record.changed():
-                raise RuntimeError(
-                    f"offload: the gradients of group {record.group.name} changed after it stepped during "
-                    "backward (OffloadPolicy(step_in_backward=True)): clipping or scaling them needs "
-                    "step_in_backward=False.")
             if len(now) != len(record.hyper) or any(set(a) != set(b) or not all(_same(a[k], b[k]) for k in a)
                                                     for a, b in zip(now, record.hyper)):
                 raise RuntimeError(
                     "offload: the optimizer's hyperparameters changed between the step of the offloaded groups "
                     "during backward and optimizer.step() (OffloadPolicy(step_in_backward=True)); change them "
                     "after optimizer.step() (as LR schedulers do).")
+        for record in self._stepped.values():
             for main in record.group.main_params:
                 main.grad = None
 

@@ -114,6 +114,11 @@ def errors_worker(rank, world_size):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     _backward(model, rank, 0)
     out["foreach None"] = _error_of(opt.step)
+    model, opt = trained()
+    params = list(model.parameters())
+    second = torch.optim.SGD(params[:1], lr=1e-2, foreach=False)
+    opt.step()
+    out["second optimizer"] = _error_of(second.step)
     model = _wrap("optim_grads_params", 1.0, True)
     opt = torch.optim.Adagrad(model.parameters(), lr=1e-2)
     _backward(model, rank, 0)
@@ -138,6 +143,8 @@ def errors():
     ("zero_grad", "RuntimeError: offload: zero_grad after OffloadPolicy(step_in_backward=True) stepped groups"),
     ("foreach None", "ValueError: offload: OffloadPolicy(step_in_backward=True) needs AdamW's kernel chosen "
                      "explicitly in every param group (fused=True, or foreach=True / False), got fused=None"),
+    ("second optimizer", "ValueError: offload: OffloadPolicy(step_in_backward=True) needs one optimizer over the "
+                         "model's parameters; SGD steps some of them besides the AdamW that stepped them first."),
     ("adagrad", "ValueError: offload: OffloadPolicy(step_in_backward=True) steps groups with the optimizer's own "
                 "per-parameter update, which it knows exact for torch.optim Adam, AdamW, SGD; got "
                 "torch.optim.adagrad.Adagrad"),

@@ -53,9 +53,10 @@ T_START = time.perf_counter()
 # The process (bench_setup) and the systems (bench_systems); names re-exported for profile_step.py.
 from bench_setup import (Ctx, allocated, build_gpt, cleanup, count_params, init_distributed,  # noqa: E402
                          finish_process, prepare_process, sync)
-from bench_systems import (BUILDERS, GIB, STRATEGIES, ZERO_NAME, Built, System,  # noqa: E402
+from bench_systems import (BUILDERS, GIB, OFFLOAD_OPTIONS, STRATEGIES, ZERO_NAME, Built, System,  # noqa: E402
                            all_systems, expected_state, release_autograd_hooks,
                            release_leftover_models, select_systems)
+from bench_offload import check_host_memory, cpu_notes, offload_goals, search_smallest_fraction  # noqa: E402
 
 
 # =============================================================================================
@@ -88,6 +89,8 @@ def run_system(ctx: Ctx, system: System) -> Dict[str, Any]:
     baseline = allocated(ctx)
     built: Optional[Built] = None
     try:
+        if system.offload is not None:
+            check_host_memory(ctx, system)
         t0 = time.perf_counter()
         built = BUILDERS[system.kind](ctx, system)
         sync(ctx)
@@ -264,32 +267,6 @@ def notes_markdown(rows: list, meta: dict) -> list:
     return ["Notes:", ""] + notes + [""] if notes else []
 
 
-def offload_goals(results: List[Dict[str, Any]]) -> List[str]:
-    """Issue 31's goals at one model, where the run has the systems: ours with offload (each
-    fraction) steps in at most 0.7x FSDP2-with-CPUOffloadPolicy's time and below Megatron's
-    --optimizer-cpu-offload, at a peak no higher than FSDP2-offload's. Reported, never asserted."""
-    ok = {r["name"]: r for r in results if r.get("status") == "ok" and r.get("step_ms")}
-    fsdp2, megatron = ok.get("fsdp2-cpu_offload"), ok.get("megatron_ddp-cpu_offload")
-    lines = []
-    for name, r in ok.items():
-        if not name.startswith("ours-offload"):
-            continue
-        parts = []
-        if fsdp2:
-            ratio = r["step_ms"] / fsdp2["step_ms"]
-            parts.append(f"step {ratio:.2f}x FSDP2-offload's (goal <= 0.70: {'met' if ratio <= 0.7 else 'MISSED'})")
-            if r.get("peak_gib") is not None and fsdp2.get("peak_gib") is not None:
-                met = r["peak_gib"] <= fsdp2["peak_gib"]
-                parts.append(f"peak {r['peak_gib']:.2f} vs {fsdp2['peak_gib']:.2f} GiB (goal <=: "
-                             f"{'met' if met else 'MISSED'})")
-        if megatron:
-            ratio = r["step_ms"] / megatron["step_ms"]
-            parts.append(f"step {ratio:.2f}x Megatron-offload's (goal < 1: {'met' if ratio < 1 else 'MISSED'})")
-        if parts:
-            lines.append(f"offload goals, {name}: " + "; ".join(parts))
-    return lines
-
-
 def add_model_arguments(group, defaults: dict, small_help: str) -> None:
     """The GPT shape flags (``None`` means ``defaults[...]``; no ``layers`` key: no ``--layers``)."""
     if "layers" in defaults:
@@ -328,6 +305,20 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "CPUOffloadPolicy(pin_memory=True)) and megatron_ddp-cpu_offload (--optimizer-cpu-offload, fraction "
                    "1), selected by the system token 'offload' (e.g. --systems ours-optim_grads_params-sf,fsdp2-zero3,"
                    "offload --offload-fractions 1,0.5); not part of 'all'")
+    g.add_argument("--offload-search", type=float, default=0.0, metavar="STEP",
+                   help="with the 'offload' systems: after the ours-offload<f> rows, binary-search the grid 0, STEP, "
+                   "..., 1 for the smallest f that trains (ours-offload-min; every run a row; default 0 = off)")
+    g.add_argument("--offload-step-in-backward", type=int, choices=(0, 1), default=1,
+                   help="ours-offload<f>: OffloadPolicy(step_in_backward=...) (default 1: offloaded groups step "
+                   "on a host thread during backward)")
+    g.add_argument("--offload-release-after-gather", type=int, choices=(0, 1), default=0,
+                   help="ours-offload<f>: OffloadPolicy(release_after_gather=...): compute shards only around their "
+                   "gathers, FSDP2-offload's memory for one more upload per step (default 0)")
+    g.add_argument("--offload-step-threads", type=int, default=0,
+                   help="with step in backward: OffloadPolicy(step_threads=N), the CPU step's threads "
+                   "(default 0 = torch's)")
+    g.add_argument("--cpu-threads", type=int, default=0,
+                   help="torch.set_num_threads(N) before any system (the CPU optimizer steps; default 0 = torch's)")
     g.add_argument("--steps", type=int, default=None, help="timed steps (default 20)")
     g.add_argument("--warmup", type=int, default=None, help="untimed warm-up steps, >= 1 (default 3)")
     g.add_argument("--lr", type=float, default=1e-5, help="learning rate of every optimizer (default 1e-5)")
@@ -359,6 +350,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--offload-fractions must be a comma list of numbers in [0, 1], got {args.offload_fractions!r}")
     if any(not 0 <= f <= 1 for f in args.offload_fractions):
         p.error(f"--offload-fractions must be numbers in [0, 1], got {args.offload_fractions}")
+    if not 0 <= args.offload_search <= 1:
+        p.error(f"--offload-search must be a grid step in (0, 1] (or 0: off), got {args.offload_search}")
+    OFFLOAD_OPTIONS.update(step_in_backward=bool(args.offload_step_in_backward), search_step=args.offload_search,
+                           step_threads=args.offload_step_threads or None,
+                           release_after_gather=bool(args.offload_release_after_gather))
 
     small = dict(layers=2, hidden=256, heads=4, seq=256, micro_batch=2, vocab=4096, steps=20, warmup=3)
     full = dict(layers=16, hidden=2048, heads=16, seq=2048, micro_batch=4, vocab=32000, steps=20, warmup=3)
@@ -456,6 +452,8 @@ def main(argv=None) -> int:
         return 0
     relaunch_under_torchrun(args)
     quiet_libraries(args.verbose)
+    if args.cpu_threads:
+        torch.set_num_threads(args.cpu_threads)
     systems = select_systems(args.systems, args.offload_fractions)
 
     ctx = init_distributed(args)
@@ -482,13 +480,14 @@ def main(argv=None) -> int:
             torch=torch.__version__, megatron_core=mcore_version, python=platform.python_version(),
             date=datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), systems=[s.name for s in systems],
             command=" ".join(["python", *map(shlex.quote, sys.argv)]),
-            notes=[],
+            notes=cpu_notes(),
         )
         ctx.log(f"GPTModel {ctx.num_params / 1e6:.1f}M params; {len(systems)} systems; world {ctx.world}"
                 f"{' (fake)' if ctx.fake else ''}; device {meta['device_name']}")
         results = []
         t_all = time.perf_counter()
-        for system in systems:
+        def run_one(system: System) -> Dict[str, Any]:
+            """One system (skipped once the time budget is used up); the partial outputs rewritten."""
             elapsed = time.perf_counter() - T_START
             if args.time_budget and elapsed > args.time_budget:
                 r = dict(name=system.name, kind=system.kind, strategy=system.strategy, allocator=system.allocator,
@@ -507,6 +506,13 @@ def main(argv=None) -> int:
             if ctx.rank == 0:
                 meta["total_s"] = time.perf_counter() - t_all
                 write_outputs(ctx, meta, results, final=False)
+            return r
+
+        for system in systems:
+            if system.kind == "ours_search":          # its runs are rows of their own (bench_offload.py)
+                search_smallest_fraction(system, run_one, list(results), meta["notes"])
+            else:
+                run_one(system)
         meta["total_s"] = time.perf_counter() - t_all
         meta["wall_s"] = time.perf_counter() - T_START
         meta["notes"].extend(offload_goals(results))

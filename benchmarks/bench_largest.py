@@ -126,7 +126,8 @@ def _adamw_step(ctx: Ctx, model: torch.nn.Module, keep: list,
 def offload_systems(fractions) -> List[MetaSystem]:
     """``--offload-fractions``: ours ZeRO-3 with ``OffloadPolicy(fraction=f)`` per f (f=0 is ``ours``)."""
     return [MetaSystem(f"ours-offload{f:g}", "ours_meta", strategy="optim_grads_params", offload=f,
-                       label=f"megatron_fsdp_v2 ZeRO-3 as ours, offload=OffloadPolicy(fraction={f:g}, pin_memory=True)")
+                       label=f"megatron_fsdp_v2 ZeRO-3 as ours, offload=OffloadPolicy(fraction={f:g}, pin_memory=True, "
+                             "step_in_backward=True)")
             for f in fractions]
 
 
@@ -153,7 +154,8 @@ def build_ours_meta(ctx: Ctx, system: System) -> Built:
     offload = None
     if system.offload is not None:
         check_host_memory(ctx, system.offload)
-        offload = OffloadPolicy(fraction=system.offload, pin_memory=True)
+        # (step in backward needs the optimizer's kernel chosen: fused AdamW, on a GPU)
+        offload = OffloadPolicy(fraction=system.offload, pin_memory=True, step_in_backward=_fused_ok(ctx))
     gpt, config = build_gpt(ctx, torch.float32)           # on meta
     model = fully_shard(gpt, sharding_strategy=system.strategy, unit_modules=[TransformerLayer],
                         mixed_precision=MixedPrecisionPolicy(param_dtype=torch.bfloat16),

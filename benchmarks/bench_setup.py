@@ -222,4 +222,8 @@ def cleanup(ctx: Ctx) -> None:
     if ctx.is_cuda:
         torch.cuda.synchronize(ctx.device)
         torch.cuda.empty_cache()
+        empty_host_cache = (getattr(torch._C, "_host_emptyCache", None)
+                            or getattr(torch._C, "_accelerator_emptyHostCache", None))
+        if empty_host_cache is not None:       # pinned host blocks a finished system (offload) left cached
+            empty_host_cache()
         torch.cuda.reset_peak_memory_stats(ctx.device)

@@ -39,6 +39,7 @@ class System:
     reduce_root_per_child: bool = False             # ours: fully_shard(reduce_root_per_child=True)
     offload: Optional[float] = None   # ours: OffloadPolicy(fraction); fsdp2: CPUOffloadPolicy (1.0);
                                       # megatron_ddp: --optimizer-cpu-offload --optimizer-offload-fraction
+    step_in_backward: bool = False    # ours with offload: OffloadPolicy(step_in_backward=True)
 
     @property
     def cuda_only(self) -> bool:     # (FSDP2's CPUOffloadPolicy pins memory: needs a GPU)
@@ -50,8 +51,13 @@ class System:
             return "unwrapped fp32 model, autocast(bf16), fused AdamW"
         if self.kind == "ours":
             split = ", reduce_root_per_child=True" if self.reduce_root_per_child else ""
-            off = f", offload=OffloadPolicy(fraction={self.offload:g})" if self.offload is not None else ""
+            sib = ", step_in_backward=True" if self.step_in_backward else ""
+            sib += ", release_after_gather=True" if OFFLOAD_OPTIONS["release_after_gather"] else ""
+            off = f", offload=OffloadPolicy(fraction={self.offload:g}{sib})" if self.offload is not None else ""
             return f"fully_shard({self.strategy}, allocator={self.allocator}{split}{off}) = {ZERO_NAME[self.strategy]}"
+        if self.kind == "ours_search":
+            return ("ours ZeRO-3 with offload at the smallest fraction on the --offload-search grid that trains "
+                    "(a binary search; every run a row)")
         if self.kind == "fsdp2" and self.offload:
             return "torch FSDP2 fully_shard, offload_policy=CPUOffloadPolicy(pin_memory=True) (ZeRO-3, step on CPU)"
         if self.kind == "megatron_ddp" and self.offload is not None:
@@ -65,13 +71,26 @@ class System:
         return f"Megatron-FSDP v1, {self.strategy} = {ZERO_NAME[self.strategy]}"
 
 
+def ours_offload(fraction: float, step_in_backward: bool = True) -> System:
+    return System(f"ours-offload{fraction:g}", "ours", strategy="optim_grads_params", allocator="storage_freeing",
+                  offload=fraction, step_in_backward=step_in_backward)
+
+
+# bench_gpt's --offload-step-in-backward and --offload-search (set before the systems are listed)
+OFFLOAD_OPTIONS: Dict[str, Any] = dict(step_in_backward=True, search_step=0.0, step_threads=None,
+                                       release_after_gather=False)
+
+
 def offload_systems(fractions=(1.0,)) -> List[System]:
     """CPU offload, side by side (``--systems offload``): ours ZeRO-3 at each fraction, FSDP2 with
-    ``CPUOffloadPolicy`` and Megatron DDP with ``--optimizer-cpu-offload`` (fraction 1)."""
-    out = [System(f"ours-offload{f:g}", "ours", strategy="optim_grads_params", allocator="storage_freeing", offload=f)
-           for f in fractions]
+    ``CPUOffloadPolicy``, Megatron DDP with ``--optimizer-cpu-offload`` (fraction 1), then the search
+    for ours' smallest fraction that fits (``ours-offload-min``, run by bench_offload.py)."""
+    out = [ours_offload(f, OFFLOAD_OPTIONS["step_in_backward"]) for f in fractions]
     out.append(System("fsdp2-cpu_offload", "fsdp2", reshard_after_forward=True, offload=1.0))
     out.append(System("megatron_ddp-cpu_offload", "megatron_ddp", strategy="optim", offload=1.0))
+    if OFFLOAD_OPTIONS["search_step"]:
+        out.append(System("ours-offload-min", "ours_search", strategy="optim_grads_params", offload=-1.0,
+                          step_in_backward=OFFLOAD_OPTIONS["step_in_backward"]))
     return out
 
 
@@ -88,7 +107,8 @@ def all_systems(offload_fractions=()) -> List[System]:
     systems.append(System("megatron_ddp", "megatron_ddp", strategy="optim"))
     for s in ("optim", "optim_grads", "optim_grads_params"):
         systems.append(System(f"megatron_fsdp-{s}", "megatron_fsdp", strategy=s))
-    return systems + (offload_systems(offload_fractions) if offload_fractions else [])
+    wanted = offload_fractions or OFFLOAD_OPTIONS["search_step"]
+    return systems + (offload_systems(offload_fractions) if wanted else [])
 
 
 def select_systems(spec: str, offload_fractions=()) -> List[System]:
@@ -134,7 +154,7 @@ def expected_state(system: System, n: int) -> Dict[str, Any]:
         # fp32 weights are the main weights; zero_grad(set_to_none) frees the grads.
         return dict(formula="4+4+8 (fp32 w+g, Adam)", after_step=16.0, after_zero_grad=12.0)
     if system.offload is not None:       # device bytes only: what stays on the GPU
-        f = system.offload
+        f = max(system.offload, 0.0)
         if system.kind == "fsdp2":
             return dict(formula="0 (all on CPU)", after_step=0.0, after_zero_grad=0.0)
         if system.kind == "megatron_ddp":
@@ -321,7 +341,10 @@ def build_ours(ctx: Ctx, system: System) -> Built:
     from megatron_fsdp_v2 import OffloadPolicy
 
     gpt, _ = build_gpt(ctx, torch.float32)
-    offload = OffloadPolicy(fraction=system.offload, pin_memory=True) if system.offload is not None else None
+    offload = (OffloadPolicy(fraction=system.offload, pin_memory=True, step_in_backward=system.step_in_backward,
+                             step_threads=OFFLOAD_OPTIONS["step_threads"] if system.step_in_backward else None,
+                             release_after_gather=OFFLOAD_OPTIONS["release_after_gather"])
+               if system.offload is not None else None)
     model = fully_shard(gpt, sharding_strategy=system.strategy, unit_modules=[TransformerLayer],
                         mixed_precision=MixedPrecisionPolicy(param_dtype=torch.bfloat16),
                         allocator=system.allocator, reduce_root_per_child=system.reduce_root_per_child,

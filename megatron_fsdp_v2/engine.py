@@ -73,6 +73,7 @@ class Engine:
         # one, and any after a grad-enabled forward outside no_sync(); [Note: buffers as DDP])
         self._buffers_due = True
         self.unused_grads_are_none = True        # torch DDP / FSDP2: a parameter no rank used keeps .grad None
+        self.backward_steps = None               # offloaded groups stepped during backward (offload_steps.py)
         self.backward_pass: Optional[BackwardPass] = None   # the backward now running
         self._backward_count = 0
         self._divide_factor: Optional[float] = None
@@ -137,6 +138,7 @@ class Engine:
     def _root_pre_forward(self, module, args) -> None:
         if self.backward_died():
             self.reset_iteration()
+        self._check_steps_idle("a forward")
         self.param_slots.hold_compute()
         training = torch.is_grad_enabled()
         if self.phase.is_(Phase.BACKWARD):
@@ -196,6 +198,8 @@ class Engine:
             return output
         if not self.phase.is_(Phase.BACKWARD):   # recomputation inside backward keeps weights
             unit.reshard()
+            if torch.is_grad_enabled() and self.forward_order.neighbour(unit, +1) is None:
+                unit.prefetch_uploads()           # (offload) the first unit of backward, its shard again
         self._register_pre_backward(unit, output, record)
         return output
 
@@ -251,11 +255,14 @@ class Engine:
             prev = self.forward_order.neighbour(unit, -1)
             if prev is not None and not prev.is_root and prev.worth_prefetching:
                 prev.unshard(async_op=True)
+            elif prev is not None:
+                prev.prefetch_uploads()           # (offload: a released compute shard, copied ahead)
         unit.wait_unshard()
 
     def _on_backward_start(self) -> None:
         if self.backward_pass is not None:
             return
+        self._check_steps_idle("a second backward")
         self.phase.enter(Phase.BACKWARD)
         self._backward_count += 1
         self.backward_pass = BackwardPass(
@@ -336,6 +343,10 @@ class Engine:
         in_flight, self._reduces_in_flight = self._reduces_in_flight, []
         for group, pending in in_flight:
             group.finish_grad_reduce(pending)
+            steps = self.backward_steps
+            if steps is not None and self.phase.is_(Phase.BACKWARD) and self.requires_gradient_sync \
+                    and not self.check_for_nan_in_grad and group not in self.units[0].groups:
+                steps.hand_over(group, self.unused_grads_are_none)   # its last gradients of this step landed
 
     def _post_backward_final(self) -> None:
         backward, self.backward_pass = self.backward_pass, None
@@ -357,7 +368,10 @@ class Engine:
 
     def _attach_main_grads(self) -> None:
         for group in self.groups:
-            group.attach_main_grads(none_if_unused=self.unused_grads_are_none)
+            if self.backward_steps is None:
+                group.attach_main_grads(none_if_unused=self.unused_grads_are_none)
+            else:                                 # (a group stepping on its thread: the thread does)
+                self.backward_steps.attach(group, self.unused_grads_are_none)
             group.grads.hand_to_views()
         self.main_grads_attached = True
         if self.check_for_nan_in_grad:
@@ -374,6 +388,22 @@ class Engine:
                         f"{self.comm.rank} (strategy {self.strategy.name}); check the loss and learning rate.")
 
     # ------------------------------------------------------------------ between backward and step
+    def before_optimizer_step(self, optimizer, stepped: set, args, kwargs) -> None:
+        """``optimizer`` (holding the main parameters ``stepped``) begins its step (optimizer_hook.py)."""
+        if self.backward_steps is not None:
+            self.backward_steps.before_step(optimizer, stepped, args, kwargs)
+        self.check_ready_for_optimizer_step()
+        self.mark_main_weights_changed(stepped)
+
+    def after_optimizer_step(self) -> None:
+        self.refresh_weights()
+        if self.backward_steps is not None:
+            self.backward_steps.after_step()
+
+    def _check_steps_idle(self, what: str) -> None:
+        if self.backward_steps is not None:
+            self.backward_steps.check_idle(what)
+
     def check_ready_for_optimizer_step(self) -> None:
         """Called before an optimizer steps our main weights: its gradients must be final."""
         if self.phase.is_(Phase.BACKWARD) or self._reduces_in_flight:
@@ -391,6 +421,7 @@ class Engine:
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip main grads by the global norm over all ranks' shards (fp32, one scalar all-reduce;
         with expert groups one more: experts.py, [Note: expert parameters])."""
+        self._check_steps_idle("clip_grad_norm_")
         norm_type = float(norm_type)
         inf = norm_type == float("inf")
         total = None
@@ -415,6 +446,7 @@ class Engine:
 
     def scale_gradients(self, factor: float) -> None:
         """Multiply every gradient this rank holds (reduced and accumulating) by ``factor``."""
+        self._check_steps_idle("scale_gradients")
         self.wait_gradient_reduces()
         for group in self.groups:
             group.scale_grads(factor)
@@ -482,6 +514,7 @@ class Engine:
         if self.backward_died():
             self.reset_iteration()
             return
+        self._check_steps_idle("zero_grad")
         self.wait_gradient_reduces()
         for group in self.groups:
             group.zero_grads(release)
@@ -501,6 +534,7 @@ class Engine:
         micro-batch cannot be told apart from the rest), so training goes on exactly as if this
         step's batches had never been seen. Called by itself at the next forward or
         ``zero_grad()`` after a backward that raised."""
+        self._check_steps_idle("a backward that raised")
         self.wait_gradient_reduces()
         for group in self.groups:
             group.wait_unshard()

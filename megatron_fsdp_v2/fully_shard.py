@@ -23,7 +23,8 @@ from .engine import Engine
 from .experts import expert_names_refusal
 from .layout import default_alignment  # noqa: F401  (fully_shard.default_alignment, as before)
 from .mixed_precision import MixedPrecisionPolicy
-from .offload import HostLink, OffloadPolicy, choose_offloaded
+from .offload import HostLink, OffloadPolicy, choose_offloaded, release_shards_after_gathers
+from .offload_steps import install_backward_steps
 from .param_swap import ParamSlots
 from .plan.resolve import AutoStrategy, resolve_auto_strategy
 from .rank_agreement import agree_on_wrap
@@ -233,6 +234,8 @@ class FullyShardedModule:
         link = HostLink(engine.groups[0].device, offload) if chosen else None
         for index in sorted(chosen):
             engine.groups[index].offload_main(link)
+        install_backward_steps(engine, offload)
+        release_shards_after_gathers(engine.units, offload)
 
     # -- full (unsharded) state dict ---------------------------------------------------------
     def full_state_dict(self) -> "OrderedDict[str, torch.Tensor]":
@@ -421,6 +424,8 @@ def fully_shard(
     engine.check_for_nan_in_grad = bool(check_for_nan_in_grad)
     engine.broadcast_buffers = bool(broadcast_buffers)
     engine.unused_grads_are_none = unused_param_grads == "none"
+    install_backward_steps(engine, offload)
+    release_shards_after_gathers(engine.units, offload)
     return module
 
 

@@ -57,10 +57,16 @@ class GroupOffload:
         if not self.strategy.weights_sharded:            # ZeRO-1/2: straight into the replicated weights
             offloaded.upload(self.main_shard, slot, self._version_now())
         elif offloaded.uploaded_version is None or offloaded.uploaded_version != self._version_now():
+            if offloaded.stepped_early:                  # the host holds next step's weights already
+                raise RuntimeError(
+                    f"offload: group {self.name} was gathered again in the backward that stepped it "
+                    "(OffloadPolicy(step_in_backward=True)): a weight of it is used after its gradients "
+                    "were complete; use step_in_backward=False for this model.")
             self.start_upload()                          # changed since the post-step upload (a load)
         offloaded.wait_upload()
         if self.strategy.weights_sharded:
             slot.copy_(offloaded.compute_shard)
+            offloaded.after_gather()
 
     def _version_now(self) -> Optional[int]:
         """``main_version()``, or None while the main parameters are being made (construction)."""
@@ -70,7 +76,13 @@ class GroupOffload:
         """ZeRO-3: start the copy of the host main shard to the device compute-weight shard (right
         after an optimizer step); the next gather of this group waits for it on the device."""
         if self.offloaded is not None and self.strategy.weights_sharded:
-            self.offloaded.upload(self.main_shard, self.offloaded.compute_shard, self._version_now())
+            self.offloaded.upload(self.main_shard, self.offloaded.device_compute_shard(), self._version_now())
+
+    def prefetch_upload(self) -> None:
+        """ZeRO-3, ``release_after_gather``: copy a released compute shard back ahead of its gather."""
+        offloaded = self.offloaded
+        if offloaded is not None and self.strategy.weights_sharded and offloaded.compute_shard is None:
+            self.start_upload()
 
     def _refresh_whole_weights(self) -> None:
         """DDP: the compute weights from the main weights (a cast, or from the host: an upload the
@@ -89,6 +101,8 @@ class GroupOffload:
             return {}
         def nbytes(t):
             return t.numel() * t.element_size()
-        staging = self.offloaded.staging
-        return {"host_main_weights": nbytes(self.main_shard), "host_grads": nbytes(self.offloaded.grad),
-                "host_grad_staging": 0 if staging is None else nbytes(staging)}
+        out = {"host_main_weights": nbytes(self.main_shard), "host_grads": nbytes(self.offloaded.grad)}
+        staging = self.offloaded.grad_staging
+        if staging is not None:               # gradient accumulation: a later landing's values
+            out["host_grad_staging"] = nbytes(staging)
+        return out

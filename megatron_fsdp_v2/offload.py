@@ -16,12 +16,16 @@ Per step, for an offloaded group:
 
   reduce lands     the reduced shard (device) is copied to the host gradient (``d2h``): on a
                    side stream, not waited for; the device copy is freed once the copy is done.
-                   The first landing since ``zero_grad`` writes the host gradient, later ones
-                   (gradient accumulation) are added on the host when the next landing or the
-                   end of backward needs them.
+                   The first landing since ``zero_grad`` writes the host gradient straight (no
+                   zeroing pass before it, no staging buffer); later ones (gradient
+                   accumulation) land in a host staging buffer (made once, kept) and are added
+                   on the host when the next landing or the end of backward needs them.
   end of backward  the host waits for the copies (``flush``); ``.grad`` of the host main
                    parameters point at the host gradient.
-  optimizer step   on the CPU for these parameters (the user's optimizer).
+  optimizer step   on the CPU for these parameters (the user's optimizer). Opted in with
+                   ``step_in_backward=True``, a non-root group steps on a host thread as soon
+                   as its gradient landed, overlapped with the rest of backward
+                   (offload_steps.py, [Note: offloaded steps during backward]).
   after the step   the engine's post-step hook starts the host-to-device copy of the main shard
                    (``upload``) on the side stream, cast to the compute dtype on the device
                    (one group's main-dtype shard is a transient device buffer). ZeRO-3 keeps the
@@ -32,6 +36,14 @@ Per step, for an offloaded group:
 
 On a device without streams (CPU) every copy is a plain synchronous ``copy_``; the placement
 logic, the choice of groups and the arithmetic are the same, so CPU runs test them bitwise.
+
+Memory (ZeRO-3, N ranks, per offloaded parameter): on the device the compute-weight shard, 2/N
+bytes (bf16), kept from the upload after a step to the next step (both gathers, forward and
+backward, read it): this is what ours keeps above FSDP2's ``CPUOffloadPolicy``, which copies its
+fp32 shard to the device at every gather instead (twice per step, 8/N bytes over the link against
+our 4/N). On the host 4 (main) + 4 (gradient) + 8 (Adam) bytes / N, and 4 more with gradient
+accumulation (the staging buffer). Pinned host buffers come from torch's caching host allocator,
+which rounds each one up to a power of two (a group's buffer of 805 MB takes 1 GiB).
 """
 
 from __future__ import annotations
@@ -42,7 +54,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-__all__ = ["HostLink", "OffloadPolicy", "OffloadedGroup", "choose_offloaded", "offload_choice_bytes"]
+__all__ = ["HostLink", "OffloadPolicy", "OffloadedGroup", "choose_offloaded", "offload_choice_bytes",
+           "release_shards_after_gathers"]
 
 
 @dataclass(frozen=True)
@@ -56,19 +69,38 @@ class OffloadPolicy:
             on a CPU-only run, where there is nothing to pin for).
         overlap: copies on a side stream, overlapped with compute (default); ``False``: on the
             compute stream, synchronous (Megatron's ``overlap_cpu_optimizer_d2h_h2d=False``).
+        step_in_backward: step each offloaded group on a host thread as soon as its gradients
+            land in a backward outside ``no_sync()``, overlapped with the rest of backward
+            (ZeRO-Offload's overlap); exact, under the conditions of offload_steps.py's
+            [Note: offloaded steps during backward], which ``optimizer.step()`` checks.
+        step_threads: with ``step_in_backward``, the intra-op threads of that host thread's CPU
+            steps (``torch.set_num_threads`` there; torch keeps it as the default of threads
+            started later too); None: torch's. Fewer than the cores leaves some to the threads
+            that launch the device's work meanwhile.
+        release_after_gather: ZeRO-3: a non-root offloaded group's device compute-weight shard
+            is freed once a gather read it and copied from the host again before the next
+            (before its backward: prefetched when the unit after it in forward order begins its
+            backward), as FSDP2's ``CPUOffloadPolicy`` keeps no weights on the device: a lower
+            peak for one more host-to-device copy of those groups per step.
     """
 
     fraction: float = 1.0
     pin_memory: bool = True
     overlap: bool = True
+    step_in_backward: bool = False
+    step_threads: Optional[int] = None
+    release_after_gather: bool = False
 
     def __post_init__(self) -> None:
         f = self.fraction
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f) or not 0 <= f <= 1:
             raise ValueError(f"offload: OffloadPolicy.fraction must be a number with 0 <= fraction <= 1, got {f!r}.")
-        for name in ("pin_memory", "overlap"):
+        for name in ("pin_memory", "overlap", "step_in_backward", "release_after_gather"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"offload: OffloadPolicy.{name} must be True or False, got {getattr(self, name)!r}.")
+        n = self.step_threads
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ValueError(f"offload: OffloadPolicy.step_threads must be None or a positive int, got {n!r}.")
 
 
 def offload_choice_bytes(numel: int, main_dtype: torch.dtype) -> int:
@@ -90,6 +122,17 @@ def choose_offloaded(group_bytes: Sequence[int], fraction: float) -> frozenset:
     return frozenset(chosen)
 
 
+def release_shards_after_gathers(units: Sequence, policy: Optional[OffloadPolicy]) -> None:
+    """``policy.release_after_gather``: the offloaded groups of non-root units free their device
+    compute shard after each gather (the root's stay: it is gathered at both ends of backward)."""
+    if policy is None or not policy.release_after_gather:
+        return
+    for unit in units:
+        for group in ([] if unit.is_root else unit.groups):
+            if group.offloaded is not None:
+                group.offloaded.release_after_gather = True
+
+
 class HostLink:
     """The copies between one device and host memory, and the side stream they run on."""
 
@@ -99,7 +142,9 @@ class HostLink:
         accelerator = device.type != "cpu"
         self.pin = policy.pin_memory and accelerator
         self._module = torch.get_device_module(device) if accelerator else None
+        # two side streams: gradients down and weights up run on the two copy directions at once
         self.stream = self._module.Stream(device=device) if accelerator and policy.overlap else None
+        self.upload_stream = self._module.Stream(device=device) if self.stream is not None else None
 
     def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype, device=self.host, pin_memory=self.pin)
@@ -109,24 +154,26 @@ class HostLink:
         out.copy_(tensor.reshape(-1))
         return out
 
-    def copy(self, dst: torch.Tensor, make_src: Callable[[], torch.Tensor]):
-        """``dst.copy_(make_src())`` after the work queued so far on the compute stream, on the side
-        stream when there is one; returns its event (None: done already). ``make_src`` runs on
-        that stream too, so device temporaries it allocates are that stream's."""
+    def copy(self, dst: torch.Tensor, make_src: Callable[[], torch.Tensor], upload: bool = False):
+        """``dst.copy_(make_src())`` after the work queued so far on the compute stream, on a side
+        stream when there is one (``upload``: the host-to-device one); returns its event (None:
+        done already). ``make_src`` runs on that stream too, so device temporaries it allocates
+        are that stream's."""
         if self.stream is None:
             with torch.no_grad():
                 dst.copy_(make_src())
             return None
-        self.stream.wait_stream(self._module.current_stream(self.device))
-        with torch.no_grad(), self._module.stream(self.stream):
+        stream = self.upload_stream if upload else self.stream
+        stream.wait_stream(self._module.current_stream(self.device))
+        with torch.no_grad(), self._module.stream(stream):
             src = make_src()
             dst.copy_(src, non_blocking=True)
             if src.device != self.host:
-                src.record_stream(self.stream)      # the caching allocator keeps it until the copy ran
+                src.record_stream(stream)           # the caching allocator keeps it until the copy ran
             if dst.device != self.host:
-                dst.record_stream(self.stream)
+                dst.record_stream(stream)
             event = self._module.Event()
-            event.record(self.stream)
+            event.record(stream)
         return event
 
     def device_waits(self, event) -> None:
@@ -149,10 +196,13 @@ class OffloadedGroup:
         self.link = link
         self.grad = link.host_empty(grad_numel, grad_dtype).zero_()
         self.grad_fresh = True            # holds nothing of this accumulation yet (zeroed lazily)
-        self._staging: Optional[torch.Tensor] = None     # a later landing's values, to add on the host
+        self.grad_staging: Optional[torch.Tensor] = None     # a later landing's values, to add on the host
         self._pending: list = []          # (event, what the host does once it completed)
+        self._compute = (compute_numel, compute_dtype)
         self.compute_shard = (torch.empty(compute_numel, dtype=compute_dtype, device=link.device)
                               if compute_numel else None)
+        self.release_after_gather = False     # OffloadPolicy.release_after_gather, for non-root groups
+        self.stepped_early = False            # stepped during this backward (offload_steps.py)
         self._upload_event = None
         self.uploaded_version: Optional[int] = None
 
@@ -163,10 +213,12 @@ class OffloadedGroup:
 
         ``overwrite`` is for a persistent source (DDP / ZeRO-1's full-size buffer, which the next
         backward writes again): the compute stream waits for its copy before going on. A
-        temporary source (ZeRO-2/3's reduce output) is only kept alive until its copy ran."""
-        fresh = self.grad_fresh            # (flush() would zero the fresh buffer this landing overwrites)
-        self._finish_pending()
-        if overwrite or fresh:
+        temporary source (ZeRO-2/3's reduce output) is only kept alive until its copy ran.
+
+        A fresh landing writes the host gradient straight (no zeroing pass over it first, no
+        staging buffer); only a later landing of the same accumulation goes through ``staging``."""
+        self._settle()
+        if overwrite or self.grad_fresh:
             def scaled():
                 out = reduced.to(self.grad.dtype)
                 return out.mul_(scale) if scale != 1.0 else out
@@ -175,31 +227,28 @@ class OffloadedGroup:
             if overwrite:
                 self.link.device_waits(event)
         else:
-            if self._staging is None:
-                self._staging = self.link.host_empty(self.grad.numel(), self.grad.dtype)
-            event = self.link.copy(self._staging, lambda: reduced.to(self.grad.dtype))
-            self._pending.append((event, lambda: self.grad.add_(self._staging, alpha=scale)))
+            if self.grad_staging is None:
+                self.grad_staging = self.link.host_empty(self.grad.numel(), self.grad.dtype)
+            event = self.link.copy(self.grad_staging, lambda: reduced.to(self.grad.dtype))
+            self._pending.append((event, lambda: self.grad.add_(self.grad_staging, alpha=scale)))
         self.grad_fresh = False
 
-    @property
-    def staging(self) -> Optional[torch.Tensor]:
-        """The host buffer a later landing of one accumulation is copied into (None until one came)."""
-        return self._staging
-
-    def flush(self) -> None:
-        """Make ``grad`` final on the host: wait for the copies, apply the pending additions."""
-        self._finish_pending()
-        if self.grad_fresh:
-            self.grad.zero_()
-            self.grad_fresh = False
-
-    def _finish_pending(self) -> None:
+    def _settle(self) -> None:
+        """Wait for the copies in flight and apply their pending additions."""
         pending, self._pending = self._pending, []
         for event, then in pending:
             self.link.host_waits(event)
             if then is not None:
                 with torch.no_grad():
                     then()
+
+    def flush(self) -> None:
+        """Make ``grad`` final on the host: wait for the copies, apply the pending additions (a
+        buffer nothing landed in since ``zero`` is zeroed now)."""
+        self._settle()
+        if self.grad_fresh:
+            self.grad.zero_()
+            self.grad_fresh = False
 
     def zero(self) -> None:
         """A fresh accumulation: the next landing overwrites (no pass over the host buffer now)."""
@@ -213,8 +262,22 @@ class OffloadedGroup:
             make_src = lambda: main                                  # noqa: E731
         else:
             make_src = lambda: main.to(self.link.device, non_blocking=True)   # noqa: E731  cast on the device
-        self._upload_event = self.link.copy(dst, make_src)
+        self._upload_event = self.link.copy(dst, make_src, upload=True)
         self.uploaded_version = version
+
+    def device_compute_shard(self) -> torch.Tensor:
+        """ZeRO-3's device compute-weight shard, made again if it was released."""
+        if self.compute_shard is None:
+            numel, dtype = self._compute
+            self.compute_shard = torch.empty(numel, dtype=dtype, device=self.link.device)
+        return self.compute_shard
+
+    def after_gather(self) -> None:
+        """A gather read the compute shard: free it if the policy says so (the next gather, seeing
+        no upload of the current version, copies it again)."""
+        if self.release_after_gather:
+            self.compute_shard = None             # (allocated on the compute stream, read there last)
+            self.uploaded_version = None
 
     def wait_upload(self) -> None:
         """The compute stream waits for the last upload."""

@@ -67,13 +67,12 @@ def _before_optimizer_step(optimizer, args, kwargs) -> None:
         return
     stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
     for engine in engines:
-        engine.check_ready_for_optimizer_step()
-        engine.mark_main_weights_changed(stepped)
+        engine.before_optimizer_step(optimizer, stepped, args[1:], kwargs)
 
 
 def _after_optimizer_step(optimizer, args, kwargs) -> None:
     for engine in _engines_of(optimizer):
-        engine.refresh_weights()
+        engine.after_optimizer_step()
 
 
 def watch_optimizer_steps(engine) -> None:

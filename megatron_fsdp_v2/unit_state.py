@@ -72,3 +72,8 @@ class Unit:
     def reshard(self) -> None:
         for group in self.groups:
             group.reshard()
+
+    def prefetch_uploads(self) -> None:
+        """Offload with ``release_after_gather``: start copying this unit's released compute shards."""
+        for group in self.groups:
+            group.prefetch_upload()

@@ -124,4 +124,5 @@ def test_megatron_offload_settings_are_checked_naming_them(results):
 
 
 def test_launcher_flags_reach_the_offload_policy(results):
-    assert results[0]["launcher"] == "OffloadPolicy(fraction=0.5, pin_memory=True, overlap=True)"
+    assert results[0]["launcher"] == ("OffloadPolicy(fraction=0.5, pin_memory=True, overlap=True, "
+                                      "step_in_backward=False, step_threads=None, release_after_gather=False)")

@@ -184,3 +184,60 @@ def test_offload_with_bf16_compute_and_reduce_is_bitwise_identical():
         for strategy in ("optim_grads_params", "optim"):
             want, got = result[(strategy, 0.0)], result[(strategy, 1.0)]
             assert all(torch.equal(got[n], want[n]) for n in want), strategy
+
+
+def staging_worker(rank, world_size):
+    """Host bytes after one step of one micro-batch and one of two (ZeRO-3, f = 1)."""
+    out = {}
+    for k in (1, 2):
+        model = _wrap("optim_grads_params", 1.0)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        _train(model, opt, rank, steps=2, k=k)
+        out[k] = model.persistent_bytes()
+    return out
+
+
+def test_a_fresh_landing_writes_the_host_gradient_without_a_staging_copy():
+    """The first landing after zero_grad overwrites the host gradient; only gradient accumulation
+    (a second landing) needs the staging buffer, added on the host."""
+    for result in run_distributed(staging_worker, 2):
+        assert "host_grad_staging" not in result[1]
+        assert result[2]["host_grad_staging"] == result[2]["host_grads"] == result[1]["host_grads"] > 0
+        assert result[1]["host_total"] == result[1]["host_main_weights"] + result[1]["host_grads"]
+
+
+def release_worker(rank, world_size):
+    """ZeRO-3 with release_after_gather: the weights, and which compute shards are on the device
+    after each training forward (groups in forward order: the root's first)."""
+    out = {}
+    for fraction in (0.0, 0.5, 1.0):
+        model = _wrap("optim_grads_params", None if fraction == 0 else fraction)
+        if fraction:
+            torch.manual_seed(0)
+            model = fully_shard(UnevenNet(), sharding_strategy="optim_grads_params", unit_modules=[Block],
+                                offload=OffloadPolicy(fraction=fraction, release_after_gather=True))
+        offloaded = [g for g in model._fsdp_engine.groups if g.offloaded is not None]
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        on_device = []
+        for step in range(3):
+            for i, (x, y) in enumerate(make_batches(step, rank, 2)):
+                with (model.no_sync() if i == 0 else contextlib.nullcontext()):
+                    output = model(x)
+                    on_device.append([g.offloaded.compute_shard is not None for g in offloaded])
+                    loss_fn(output, y).backward()
+            opt.step()
+            opt.zero_grad()
+        out[fraction] = (model.full_state_dict(), on_device)
+    return out
+
+
+def test_released_compute_shards_train_bitwise_alike_and_leave_the_device():
+    for result in run_distributed(release_worker, 2):
+        want = result[0.0][0]
+        for fraction in (0.5, 1.0):
+            got, on_device = result[fraction]
+            assert all(torch.equal(got[n], want[n]) for n in want), fraction
+            # from the second forward on (the order known): only the root's shard and the last
+            # unit's, copied again for the backward that follows at once
+            expected = [True, False, False, True] if fraction == 1.0 else [False] * (len(on_device[0]) - 1) + [True]
+            assert on_device[1:] == [expected] * 5, (fraction, on_device)

@@ -50,12 +50,13 @@ def _count_copies(counts: dict):
     before the engine's global one uploads)."""
     original = HostLink.copy
 
-    def copy(self, dst, make_src):
+    def copy(self, dst, make_src, upload=False):
         src = make_src()
-        kind = counts["h2d_weights" if counts["after_step"] else "d2h_grads"]
+        assert upload == counts["after_step"], "an upload outside the step's post-hook, or a landing inside it"
+        kind = counts["h2d_weights" if upload else "d2h_grads"]
         kind["count"] += 1
         kind["bytes"] += src.numel() * src.element_size()
-        return original(self, dst, lambda: src)
+        return original(self, dst, lambda: src, upload=upload)
     return copy
 
 

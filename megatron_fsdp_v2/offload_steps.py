@@ -1,0 +1,264 @@
+"""Offloaded groups stepped during backward, on a host thread (``OffloadPolicy(step_in_backward=True)``).
+
+[Note: offloaded steps during backward]
+The CPU optimizer step of offloaded groups is the longest piece of an offloaded step, and without
+this it runs after backward, while the device idles. ZeRO-Offload's answer (DeepSpeed) is to step
+a group's host parameters as soon as its gradients land there. Here, opted in with
+``OffloadPolicy(step_in_backward=True)``, each offloaded group of a non-root unit whose reduce
+lands in a backward outside ``no_sync()`` is handed to one host thread, which waits for its
+gradient copy, points the main parameters' ``.grad`` at it and steps exactly those parameters
+with the user's own optimizer (its class's ``step`` below torch's step hooks, on a shallow view of
+the optimizer whose param groups hold only them; the state dict is shared). ``optimizer.step()``
+then waits for the thread and steps only the rest (the stepped parameters' ``.grad`` are None
+during it and put back after it), so every parameter is stepped once per step, by the same code;
+its post-step hook uploads every group's new weights as without this option.
+
+It is exact, not approximate: the per-parameter update of ``torch.optim.Adam`` / ``AdamW`` / ``SGD``
+does not depend on the other parameters stepped with it, provided the kernel is chosen by the user
+(``fused=True`` or ``foreach`` True / False: with ``foreach=None`` torch chooses it from the
+parameters stepped together, and a subset could get another kernel). What the user promises by
+opting in, and what is checked at ``optimizer.step()`` (a clear error, never a silent difference):
+
+* the backward outside ``no_sync()`` is the last before ``optimizer.step()``: a further backward,
+  a forward, ``zero_grad`` or ``scale_gradients`` / ``clip_grad_norm_`` before the step raise;
+  a gradient changed in place by other code (torch's ``clip_grad_norm_``, a grad scaler) is seen
+  by its version counter and raises at the step (torch's foreach in-place ops on DTensor
+  gradients bump no counter: with DTensor parameters ``model.clip_grad_norm_`` is the one seen);
+* the optimizer's hyperparameters at the step are those the thread used (an LR scheduler steps
+  after ``optimizer.step()``): compared at the step, a difference raises;
+* one optimizer steps the model, a ``torch.optim`` Adam / AdamW / SGD (type checked), without a
+  closure. The optimizer is learned at its first step, which runs unchanged; the thread takes over
+  from the second step on.
+
+* no weight of a stepped group is gathered again in the same backward (a weight used after its
+  gradients are complete): such a gather raises rather than read the new weights (ZeRO-3).
+
+Root-unit groups (embedding, output layer) are not handed over: they are gathered through backward
+and their gradients complete last, so nothing would overlap. The weights go back to the device
+after ``optimizer.step()`` (the device's compute weights must stay the old ones until backward
+ends; ZeRO-1/2's refresh is a collective, issued in one order on every rank by the main thread).
+``check_for_nan_in_grad`` models do not hand groups over (the check reads every gradient before
+any step).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import weakref
+from typing import Optional
+
+import torch
+
+__all__ = ["BackwardSteps", "check_steppable", "install_backward_steps"]
+
+_STEPPABLE = ("Adam", "AdamW", "SGD")
+
+
+def check_steppable(optimizer, args, kwargs) -> None:
+    """Raise unless ``optimizer`` steps a subset of its parameters exactly as part of a full step."""
+    name = type(optimizer).__name__
+    if type(optimizer) not in tuple(getattr(torch.optim, n) for n in _STEPPABLE):
+        raise ValueError(f"offload: OffloadPolicy(step_in_backward=True) steps groups with the optimizer's own "
+                         f"per-parameter update, which it knows exact for torch.optim {', '.join(_STEPPABLE)}; "
+                         f"got {type(optimizer).__module__}.{name}. Use one of them or step_in_backward=False.")
+    if args or kwargs.get("closure") is not None:
+        raise ValueError(f"offload: OffloadPolicy(step_in_backward=True) cannot step {name} with a closure.")
+    for index, group in enumerate(optimizer.param_groups):
+        if group.get("differentiable") or not (group.get("fused") or group.get("foreach") is not None):
+            raise ValueError(
+                f"offload: OffloadPolicy(step_in_backward=True) needs {name}'s kernel chosen explicitly in "
+                f"every param group (fused=True, or foreach=True / False), got fused={group.get('fused')!r}, "
+                f"foreach={group.get('foreach')!r}, differentiable={group.get('differentiable')!r} in group "
+                f"{index}: with foreach=None torch picks the kernel from the parameters stepped together.")
+
+
+def install_backward_steps(engine, policy) -> None:
+    """Give ``engine`` its thread if ``policy`` opts in and some group is offloaded."""
+    link = next((g.offloaded.link for g in engine.groups if g.offloaded is not None), None)
+    if policy is not None and policy.step_in_backward and link is not None:
+        engine.backward_steps = BackwardSteps(link, policy.step_threads)
+
+
+def _hyperparameters(optimizer) -> list:
+    return [{k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in g.items() if k != "params"}
+            for g in optimizer.param_groups]
+
+
+def _same(a, b) -> bool:
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        return torch.is_tensor(a) and torch.is_tensor(b) and torch.equal(a.cpu(), b.cpu())
+    return a == b
+
+
+def _step_subset(optimizer, params: list) -> None:
+    """``optimizer``'s own step over ``params`` only: its class's step (below torch's hooks, which
+    belong to the user's full step) on a shallow view whose param groups hold just these."""
+    ids = {id(p) for p in params}
+    view = object.__new__(type(optimizer))
+    view.__dict__.update(optimizer.__dict__)          # shares ``state``: the update lands there
+    view.param_groups = [dict(g, params=[p for p in g["params"] if id(p) in ids]) for g in optimizer.param_groups]
+    type(optimizer).step.__wrapped__(view)
+
+
+class _Attached:
+    """A group's ``.grad`` as backward (or the thread) left them: what ``optimizer.step()`` checks,
+    and for a group stepped on the thread (``hyper``: the hyperparameters it used) puts back."""
+
+    def __init__(self, group, hyper: Optional[list] = None) -> None:
+        self.group = group
+        self.hyper = hyper
+        self.grads = [m.grad for m in group.main_params]
+        self.versions = self._versions()
+
+    def _versions(self) -> list:
+        """The gradient buffer's version and each ``.grad``'s (a DTensor's in-place ops bump its own)."""
+        buffer = self.group.offloaded.grad if self.group.offloaded is not None else self.group.grads.live()
+        grads = [m.grad for m in self.group.main_params]
+        return [None if buffer is None else buffer._version] + [None if g is None else g._version for g in grads]
+
+    def changed(self) -> bool:
+        return any(m.grad is not g for m, g in zip(self.group.main_params, self.grads)) or \
+            self._versions() != self.versions
+
+
+class BackwardSteps:
+    """The host thread stepping offloaded groups during backward, and what the step checks."""
+
+    def __init__(self, link, threads: Optional[int] = None) -> None:
+        self.link = link
+        self.threads = threads
+        self._optimizer: Optional[weakref.ref] = None
+        self._optimizer_ids: set = set()
+        self._queue: "queue.Queue" = queue.Queue()
+        self._thread: Optional[threading.Thread] = None
+        self._stepped: dict = {}               # id(group) -> _Attached, stepped since the last optimizer.step()
+        self._others: list = []                # _Attached of the groups left to optimizer.step()
+        self._handed: set = set()              # ids of groups handed to the thread in this backward
+        self._error: Optional[BaseException] = None
+        self.groups_stepped = 0                # how many group steps the thread ran (a count for tests)
+        weakref.finalize(self, self._queue.put, None)    # ends the thread with this object
+
+    @property
+    def optimizer(self):
+        return self._optimizer() if self._optimizer is not None else None
+
+    # -- the backward's side (autograd's thread) -------------------------------------------------
+    def hand_over(self, group, unused_grads_are_none: bool) -> bool:
+        """Step ``group`` on the thread if it may (its gradients for this step just landed)."""
+        optimizer = self.optimizer
+        if optimizer is None or group.offloaded is None or id(group) in self._handed \
+                or not all(id(m) in self._optimizer_ids for m in group.main_params):
+            return False
+        self._handed.add(id(group))
+        if self._thread is None:
+            self._thread = threading.Thread(target=_work, args=(self._queue, weakref.ref(self), self.link.device,
+                                                                self.threads),
+                                            name="megatron_fsdp_v2 offloaded steps", daemon=True)
+            self._thread.start()
+        self._queue.put((group, optimizer, unused_grads_are_none))
+        return True
+
+    def attach(self, group, unused_grads_are_none: bool) -> None:
+        """End of backward: attach ``group``'s ``.grad`` unless the thread does (handed over); while
+        some group steps on the thread, note the others' so a change before the step is seen."""
+        if id(group) in self._handed or id(group) in self._stepped:
+            return
+        group.attach_main_grads(none_if_unused=unused_grads_are_none)
+        if self._handed:
+            self._others.append(_Attached(group))
+
+    def _run(self, group, optimizer, unused_grads_are_none: bool) -> None:
+        if self._error is not None:
+            return
+        try:
+            group.offloaded.flush()
+            group.attach_main_grads(none_if_unused=unused_grads_are_none)
+            record = _Attached(group, _hyperparameters(optimizer))
+            group.offloaded.stepped_early = True
+            with torch.no_grad():
+                _step_subset(optimizer, list(group.main_params))
+            self._stepped[id(group)] = record
+            self.groups_stepped += 1
+        except BaseException as exc:   # noqa: BLE001 -- raised in the main thread at the next wait
+            self._error = exc
+
+    # -- the main thread's side ------------------------------------------------------------------
+    def wait(self) -> None:
+        """Wait for every handed-over group; raise what the thread raised."""
+        if self._thread is not None:
+            self._queue.join()
+        self._handed.clear()
+        error, self._error = self._error, None
+        if error is not None:
+            raise RuntimeError("offload: stepping an offloaded group during backward failed") from error
+
+    def check_idle(self, what: str) -> None:
+        """Raise if groups were stepped with this step's gradients and ``optimizer.step()`` did not run yet."""
+        self.wait()
+        if self._stepped:
+            names = [s.group.name for s in self._stepped.values()]
+            raise RuntimeError(
+                f"offload: {what} after OffloadPolicy(step_in_backward=True) stepped groups {names[:3]}"
+                f"{'...' if len(names) > 3 else ''} with the last backward's gradients and before "
+                "optimizer.step(): that backward must be the last before the step, and the gradients "
+                "must stay as it left them (no clipping or scaling; use step_in_backward=False for that).")
+
+    def before_step(self, optimizer, stepped_ids: set, args, kwargs) -> None:
+        """``optimizer.step()`` begins: wait, check, hide the stepped groups' ``.grad``."""
+        self.wait()
+        if self.optimizer is not optimizer:
+            if self.optimizer is not None:
+                raise ValueError(f"offload: OffloadPolicy(step_in_backward=True) needs one optimizer over the "
+                                 f"model's parameters; {type(optimizer).__name__} steps some of them besides the "
+                                 f"{type(self.optimizer).__name__} that stepped them first.")
+            check_steppable(optimizer, args, kwargs)
+            self._optimizer = weakref.ref(optimizer)
+        elif args or kwargs.get("closure") is not None:
+            check_steppable(optimizer, args, kwargs)
+        self._optimizer_ids = set(stepped_ids)
+        others, self._others = self._others, []
+        for record in others + list(self._stepped.values()):
+            if record.changed():
+                when = "after it stepped during backward" if record.hyper is not None else \
+                    "after backward while other groups had stepped during it"
+                raise RuntimeError(f"offload: the gradients of group {record.group.name} changed {when} "
+                                   "(OffloadPolicy(step_in_backward=True)): clipping or scaling them needs "
+                                   "step_in_backward=False.")
+        now = _hyperparameters(optimizer) if self._stepped else None
+        for record in self._stepped.values():
+            if len(now) != len(record.hyper) or any(set(a) != set(b) or not all(_same(a[k], b[k]) for k in a)
+                                                    for a, b in zip(now, record.hyper)):
+                raise RuntimeError(
+                    "offload: the optimizer's hyperparameters changed between the step of the offloaded groups "
+                    "during backward and optimizer.step() (OffloadPolicy(step_in_backward=True)); change them "
+                    "after optimizer.step() (as LR schedulers do).")
+        for record in self._stepped.values():
+            for main in record.group.main_params:
+                main.grad = None
+
+    def after_step(self) -> None:
+        """Put the stepped groups' ``.grad`` back; the next backward's groups start afresh."""
+        stepped, self._stepped = self._stepped, {}
+        for record in stepped.values():
+            record.group.offloaded.stepped_early = False
+            for main, grad in zip(record.group.main_params, record.grads):
+                main.grad = grad
+
+
+def _work(tasks: "queue.Queue", owner: "weakref.ref", device: torch.device, threads: Optional[int]) -> None:
+    if device.type != "cpu":
+        torch.get_device_module(device).set_device(device)
+    if threads is not None:
+        torch.set_num_threads(threads)
+    while True:
+        task = tasks.get()
+        try:
+            if task is None:
+                return
+            steps = owner()
+            if steps is not None:
+                steps._run(*task)
+            del steps, task
+        finally:
+            tasks.task_done()

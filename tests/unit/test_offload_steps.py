@@ -1,0 +1,164 @@
+"""Offloaded groups stepped during backward (offload_steps.py, [Note: offloaded steps during backward]).
+
+Bitwise the same training as without offload (fp32, dp 2, gradient accumulation under no_sync,
+AdamW fused and SGD with momentum on foreach=False), the thread really stepping groups, and every
+broken promise (clipping, a changed learning rate, a second backward, an optimizer whose kernel
+torch would choose per subset) refused with an error naming it."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from megatron_fsdp_v2 import OffloadPolicy, fully_shard
+
+from .dist_utils import run_distributed
+from .models import Block, UnevenNet, make_batches
+from .scenarios import loss_fn
+
+STRATEGIES = ("optim_grads_params", "optim")
+
+
+def _wrap(strategy, fraction, step_in_backward, dtensor_params=True):
+    torch.manual_seed(0)
+    offload = None if fraction is None else OffloadPolicy(fraction=fraction, step_in_backward=step_in_backward)
+    return fully_shard(UnevenNet(), sharding_strategy=strategy, unit_modules=[Block], offload=offload,
+                       dtensor_params=dtensor_params)
+
+
+def _optimizer(model, kind):
+    if kind == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, fused=True)
+    return torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9, foreach=False)
+
+
+def _backward(model, rank, step, k=2):
+    for i, (x, y) in enumerate(make_batches(step, rank, k)):
+        with (model.no_sync() if i < k - 1 else contextlib.nullcontext()):
+            loss_fn(model(x), y).backward()
+
+
+def _train(model, opt, rank, steps=3):
+    for step in range(steps):
+        _backward(model, rank, step)
+        opt.step()
+        opt.zero_grad()
+
+
+def parity_worker(rank, world_size):
+    out = {}
+    for strategy in STRATEGIES:
+        for kind in ("adamw", "sgd"):
+            for fraction, step_in_backward in ((None, False), (0.5, True), (1.0, True)):
+                model = _wrap(strategy, fraction, step_in_backward)
+                opt = _optimizer(model, kind)
+                _train(model, opt, rank)
+                engine = model._fsdp_engine
+                steps = engine.backward_steps
+                handed = sum(g.offloaded is not None for g in engine.groups if g not in engine.units[0].groups)
+                out[(strategy, kind, fraction)] = (model.full_state_dict(), steps.groups_stepped if steps else 0,
+                                                   handed)
+    return out
+
+
+def test_groups_stepped_during_backward_train_bitwise_alike():
+    for result in run_distributed(parity_worker, 2):
+        for strategy in STRATEGIES:
+            for kind in ("adamw", "sgd"):
+                want, _, _ = result[(strategy, kind, None)]
+                for fraction in (0.5, 1.0):
+                    got, stepped, handed = result[(strategy, kind, fraction)]
+                    assert all(torch.equal(got[n], want[n]) for n in want), (strategy, kind, fraction)
+                    # steps 2 and 3 (the first teaches the optimizer), every offloaded non-root group
+                    assert 0 < handed <= 3 and stepped == 2 * handed, (strategy, kind, fraction, stepped)
+                assert result[(strategy, kind, 0.5)][2] < result[(strategy, kind, 1.0)][2] == 3
+
+
+def _error_of(action) -> str:
+    try:
+        action()
+    except (RuntimeError, ValueError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def errors_worker(rank, world_size):
+    out = {}
+
+    def trained(kind="adamw", dtensor_params=True):
+        model = _wrap("optim_grads_params", 1.0, True, dtensor_params)
+        opt = _optimizer(model, kind)
+        _train(model, opt, rank, steps=1)
+        _backward(model, rank, 1)
+        return model, opt
+
+    model, opt = trained()
+    out["clip"] = _error_of(lambda: model.clip_grad_norm_(1.0))
+    # torch's clip: its foreach in-place ops bump plain tensors' version counters (not a DTensor's)
+    model, opt = trained(dtensor_params=False)
+    torch.nn.utils.clip_grad_norm_([p for p in model.parameters()], 1e-3)
+    out["torch clip"] = _error_of(opt.step)
+    model, opt = trained()
+    next(iter(model.parameters())).grad.mul_(0.5)          # the output layer's (root: left to the step)
+    out["in place"] = _error_of(opt.step)
+    model, opt = trained()
+    opt.param_groups[0]["lr"] = 0.5
+    out["lr"] = _error_of(opt.step)
+    model, opt = trained()
+    out["next micro-batch"] = _error_of(lambda: _backward(model, rank, 2))
+    model, opt = trained()
+    out["zero_grad"] = _error_of(model.zero_grad)
+    model = _wrap("optim_grads_params", 1.0, True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _backward(model, rank, 0)
+    out["foreach None"] = _error_of(opt.step)
+    model, opt = trained()
+    params = list(model.parameters())
+    second = torch.optim.SGD(params[:1], lr=1e-2, foreach=False)
+    opt.step()
+    out["second optimizer"] = _error_of(second.step)
+    model = _wrap("optim_grads_params", 1.0, True)
+    opt = torch.optim.Adagrad(model.parameters(), lr=1e-2)
+    _backward(model, rank, 0)
+    out["adagrad"] = _error_of(opt.step)
+    return out
+
+
+@pytest.fixture(scope="module")
+def errors():
+    return run_distributed(errors_worker, 2)[0]
+
+
+@pytest.mark.parametrize("case, message", [
+    ("clip", "RuntimeError: offload: clip_grad_norm_ after OffloadPolicy(step_in_backward=True) stepped groups"),
+    ("torch clip", "RuntimeError: offload: the gradients of group"),
+    ("in place", "RuntimeError: offload: the gradients of group <root>/float32/grad changed after backward while "
+                 "other groups had stepped during it"),
+    ("lr", "RuntimeError: offload: the optimizer's hyperparameters changed between the step of the offloaded"),
+    ("next micro-batch", "RuntimeError: offload: a forward after OffloadPolicy(step_in_backward=True) stepped groups "
+                         "['blocks.2/float32/grad', 'blocks.1/float32/grad', 'blocks.0/float32/grad'] with the last "
+                         "backward's gradients and before optimizer.step()"),
+    ("zero_grad", "RuntimeError: offload: zero_grad after OffloadPolicy(step_in_backward=True) stepped groups"),
+    ("foreach None", "ValueError: offload: OffloadPolicy(step_in_backward=True) needs AdamW's kernel chosen "
+                     "explicitly in every param group (fused=True, or foreach=True / False), got fused=None"),
+    ("second optimizer", "ValueError: offload: OffloadPolicy(step_in_backward=True) needs one optimizer over the "
+                         "model's parameters; SGD steps some of them besides the AdamW that stepped them first."),
+    ("adagrad", "ValueError: offload: OffloadPolicy(step_in_backward=True) steps groups with the optimizer's own "
+                "per-parameter update, which it knows exact for torch.optim Adam, AdamW, SGD; got "
+                "torch.optim.adagrad.Adagrad"),
+])
+def test_broken_promises_are_refused_naming_them(errors, case, message):
+    assert errors[case].startswith(message), errors[case]
+
+
+def test_step_in_backward_must_be_a_bool():
+    with pytest.raises(TypeError, match=r"OffloadPolicy\.step_in_backward must be True or False, got 1"):
+        OffloadPolicy(step_in_backward=1)
+
+
+@pytest.mark.parametrize("bad", [0, -2, 1.5, True])
+def test_step_threads_must_be_a_positive_int(bad):
+    with pytest.raises(ValueError, match=r"OffloadPolicy\.step_threads must be None or a positive int, got"):
+        OffloadPolicy(step_in_backward=True, step_threads=bad)

@@ -301,7 +301,8 @@ def config_markdown(res: dict) -> str:
     systems = res["systems"]
     fsdp2, ours = systems.get("fsdp2"), systems.get("ours")
     lines = [config_title(res), "",
-             "| point | reading | FSDP2 MB | ours MB | ours / FSDP2 | upstream bound MB | FSDP2 / bound | ours / bound |",
+             "| point | reading | FSDP2 MB | ours MB | ours / FSDP2 | upstream bound MB | FSDP2 / bound "
+             "| ours / bound |",
              "|---|---|---:|---:|---:|---:|---:|---:|"]
     for point in POINTS:
         for reading in ("start", "current", "peak"):

@@ -12,7 +12,8 @@ base is.
 
 Asserted, at dp 1 and 2:
 * the step's peak <= upstream's bound ``4 x sharded numel x 4 B + 16 MB``; at dp 1 (and on a
-  rank holding a whole parameter over 8 MB, see below) the 16 MB slack is less than the two temporaries ``Adam(foreach=False)`` makes for its largest parameter
+  rank holding a whole parameter over 8 MB, see below) the 16 MB slack is less than the two
+  temporaries ``Adam(foreach=False)`` makes for its largest parameter
   (``sqrt`` and ``/``: 2 x 9.4 MB, FSDP2 needs them too), so there the slack is those two
   (+ 64 KiB: Adam's 0-d step counters and small bookkeeping; FSDP2's own step measures the same
   359.96 MB there);
@@ -66,7 +67,8 @@ def step_memory_worker(rank, world):
     held_model = _local_bytes(params) + _local_bytes(p.grad for p in params if p.grad is not None)
     region = measure(optim.step, baseline)
     state = _local_bytes(v for s in optim.state.values() for v in s.values() if isinstance(v, torch.Tensor))
-    return dict(numels=numels, after_init=after_init, weights=weights, largest_piece=largest_piece, held_model=held_model, state=state,
+    return dict(numels=numels, after_init=after_init, weights=weights, largest_piece=largest_piece,
+                held_model=held_model, state=state,
                 start=region.held_at_start, peak=region.peak, end=region.held_at_end,
                 consistent=region.consistent, at_peak=region.at_peak)
 

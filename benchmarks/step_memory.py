@@ -232,6 +232,8 @@ def _init_group(device, world: int, rank: int):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    if device.type == "cuda":
+        torch.cuda.set_device(device)            # before NCCL's group: its communicator binds this device
     if world == 1:
         from tests.dist_pool import free_port
 
@@ -241,8 +243,6 @@ def _init_group(device, world: int, rank: int):
         from torch.testing._internal.distributed.fake_pg import FakeStore   # registers "fake"
 
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
     return init_device_mesh(device.type, (world,))
 
 

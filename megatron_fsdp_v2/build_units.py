@@ -86,9 +86,8 @@ def build_units(model: PreparedModel, strategy, groups: WrapGroups, world, alloc
                                resolve_dtypes(gspec.dtype, policy, gspec.requires_grad, gspec.full_precision),
                                allocator, device, default_alignment(device), expert_mesh if gspec.expert else mesh,
                                levels=(groups.comm, groups.replicas) if world is not None else None,
-                               offload=link if index in to_host else None)
+                               offload=link if index in to_host else None, persistent_grads=persistent_grads)
             group.all_names = [e[1] for e in entries]
-            group.grads.persistent = persistent_grads
             group.param_dtype = gspec.dtype
             unit_groups.append(group)
             index += 1

@@ -55,6 +55,7 @@ class ParamGroup(GroupExport, GroupOffload, GroupReduce):
         mesh=None,
         levels=None,
         offload=None,
+        persistent_grads: bool = True,
     ) -> None:
         self.name = name
         self.params = list(params)
@@ -109,6 +110,7 @@ class ParamGroup(GroupExport, GroupOffload, GroupReduce):
         # The gradient buffer (full_grad or grad_shard; grad_buffer.py)
         grads_numel = self.layout.shard_numel if strategy.grads_sharded else self.layout.total_numel
         self.grads = GradBuffer(grads_numel, dtypes.grad, device)
+        self.grads.persistent = persistent_grads
         self._init_buffers(offload)
 
     # ------------------------------------------------------------------ construction
@@ -147,8 +149,13 @@ class ParamGroup(GroupExport, GroupOffload, GroupReduce):
         # main_params: the same memory as the optimizer sees it.
         self.main_locals: list[torch.Tensor] = []
         self.main_params = [self._make_main_param(i) for i in range(len(self.params))]
-        if self.requires_grad and not (self.offloaded is not None and self.strategy.grads_sharded):
-            self._ensure_grads()          # (an offloaded ZeRO-2/3 group's reduced gradients live on the host)
+        # ZeRO-2/3 without persistent grads: no buffer until the first reduce lands in a new one, as
+        # after zero_grad(set_to_none=True) and as FSDP2 (a zeroed shard held from here would sit
+        # through the first forward, and the first reduce would need a temporary beside it). An
+        # offloaded ZeRO-2/3 group's reduced gradients live on the host.
+        if self.requires_grad and (not self.strategy.grads_sharded
+                                   or (self.grads.persistent and self.offloaded is None)):
+            self._ensure_grads()
 
     # ------------------------------------------------------------------ the gradient buffer
     @property

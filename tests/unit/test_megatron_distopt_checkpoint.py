@@ -342,7 +342,8 @@ def megatron_load_worker(rank, world_size, base, cases):
 
 def test_megatron_ddp_loads_our_checkpoints_and_continues(tmp_path):
     base = str(tmp_path)
-    cases = [("dp_reshardable", "optim_grads_params"), ("dp_reshardable", "no_shard"), ("fully_reshardable", "optim")]
+    cases = [("dp_reshardable", "optim_grads_params"), ("dp_reshardable", "no_shard"), ("fully_reshardable", "optim"),
+             ("fully_reshardable", "optim_grads")]
     ours = run_distributed(our_save_worker, 2, base, cases, timeout=300)
     megatron = run_distributed(megatron_load_worker, 2, base, cases, timeout=300)
     for case in cases:

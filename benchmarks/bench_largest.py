@@ -131,18 +131,43 @@ def offload_systems(fractions) -> List[MetaSystem]:
             for f in fractions]
 
 
-def check_host_memory(ctx: Ctx, fraction: float) -> None:
-    """Offloaded state lives in host memory (fp32 main 4 + Adam 8 + grads 4 bytes/param per rank of
-    the group, fake or real): refuse a size the host cannot hold as out of memory, instead of
-    letting the kernel's out-of-memory killer end the search."""
-    need = 16.0 * fraction * (ctx.num_params or 0) / ctx.world * (ctx.real_world or 1)
+def _host_available() -> Optional[int]:
     try:
-        available = next(int(line.split()[1]) * 1024 for line in open("/proc/meminfo") if line.startswith("MemAvailable"))
+        return next(int(line.split()[1]) * 1024 for line in open("/proc/meminfo") if line.startswith("MemAvailable"))
     except (OSError, StopIteration):
-        return
-    if need > 0.9 * available:
+        return None
+
+
+def _host_need(ctx: Ctx, fraction: float, num_params: int) -> float:
+    """Offloaded state in host memory: fp32 main 4 + Adam 8 + grads 4 bytes/param per rank of
+    the group, fake or real (every real rank of this host holds its share)."""
+    return 16.0 * fraction * num_params / ctx.world * (ctx.real_world or 1)
+
+
+def check_host_memory(ctx: Ctx, fraction: float) -> None:
+    """Refuse a size the host cannot hold as out of memory, instead of letting the kernel's
+    out-of-memory killer end the search."""
+    need, available = _host_need(ctx, fraction, ctx.num_params or 0), _host_available()
+    if available is not None and need > 0.9 * available:
         raise torch.OutOfMemoryError(f"host out of memory (predicted): offloaded state needs {need / GIB:.1f} GiB, "
                                      f"{available / GIB:.1f} GiB available")
+
+
+def host_layer_cap(ctx: Ctx, system: "MetaSystem", params: Callable[[int], int], max_layers: int) -> int:
+    """The most layers whose offloaded state the host can hold (``check_host_memory``'s rule), so
+    the search starts below the host's bound rather than at the GPU's (which offload lifts far
+    above it); ``max_layers`` for a system without offload."""
+    available = _host_available()
+    if not system.offload or available is None:
+        return max_layers
+    lo, hi = 0, max_layers
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if _host_need(ctx, system.offload, params(mid)) <= 0.9 * available:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def build_ours_meta(ctx: Ctx, system: System) -> Built:
@@ -405,6 +430,10 @@ def search(run: Run, system: MetaSystem, params: Callable[[int], int], capacity_
         return row
     fits: Dict[int, Dict[str, Any]] = {}
     oom_at: Optional[int] = None
+    max_layers = host_layer_cap(ctx, system, params, a.max_layers)
+    if max_layers < a.max_layers:
+        row["notes"].append(f"host memory holds the offloaded state of at most L={max_layers}: the search stays "
+                            f"at or below it")
 
     def train(layers: int) -> bool:
         """Run at ``layers``; False where the search must stop (an error that is not OOM, or time)."""
@@ -438,7 +467,7 @@ def search(run: Run, system: MetaSystem, params: Callable[[int], int], capacity_
             misses = 0
             while misses < len(row["attempts"]) and row["attempts"][-1 - misses]["status"] == "OOM":
                 misses += 1
-            layers = next_layers(fits, oom_at, capacity_gib, a.max_layers, misses)
+            layers = next_layers(fits, oom_at, capacity_gib, max_layers, misses)
             if layers is None or not train(layers):
                 break
     largest = max(fits, default=None)
@@ -452,8 +481,9 @@ def search(run: Run, system: MetaSystem, params: Callable[[int], int], capacity_
     elif row["status"] == "ok":
         row["status"] = "OOM"
         row["error"] = f"out of memory at every size tried (down to L={oom_at})"
-    if largest is not None and largest >= a.max_layers:
-        row["notes"].append(f"--max-layers {a.max_layers} trained: the search stopped there")
+    if largest is not None and largest >= max_layers:
+        row["notes"].append(f"--max-layers {a.max_layers} trained: the search stopped there" if max_layers == a.max_layers
+                            else f"L={max_layers} trained; L+1 needs more host memory than the host has (predicted)")
     elif capacity_gib is not None and row["status"] == "ok" and not row["closed"]:
         row["notes"].append("bracket not closed (L+1 not shown to run out of memory): raise --max-attempts "
                             "or --time-budget")

@@ -39,6 +39,7 @@ from .param_swap import ParamSlots
 from .phase import Phase, PhaseMachine
 from .pre_backward import ForwardRecord, SavedWeightHooks, tensors_needing_grad
 from .row_sharded import local_piece
+from .requires_grad_sync import accumulation_ended, sync_requires_grad
 from .strategy import ShardingStrategy
 from .unit_state import ForwardOrder, Unit  # noqa: F401  (Unit: also engine.Unit)
 
@@ -67,6 +68,7 @@ class Engine:
         self.requires_gradient_sync = True       # False inside no_sync(): DDP / ZeRO-1 accumulate locally
         self.forward_order = ForwardOrder()
         self.main_grads_attached = False         # optimizer-facing .grad point at reduced gradients
+        self.grads_since_zero = False            # a backward ran since the gradients were last zeroed
         self.check_for_nan_in_grad = False
         self.broadcast_buffers = True            # DDP's default: rank 0's buffers before forwards (see below)
         # torch DDP's require_forward_param_sync: the next forward broadcasts the buffers (the first
@@ -272,6 +274,7 @@ class Engine:
             group.begin_backward()
         if self.main_grads_attached and self._optimizer_cleared_grads():
             self.zero_grads(release=True)
+        self.grads_since_zero = True
 
     def _optimizer_cleared_grads(self) -> bool:
         """``optimizer.zero_grad(set_to_none=True)`` left ``.grad`` None: start a fresh accumulation.
@@ -396,6 +399,8 @@ class Engine:
         self.mark_main_weights_changed(stepped)
 
     def after_optimizer_step(self) -> None:
+        self.grads_since_zero = False              # the step consumed the accumulation
+        accumulation_ended(self.groups)
         self.refresh_weights()
         if self.backward_steps is not None:
             self.backward_steps.after_step()
@@ -519,6 +524,7 @@ class Engine:
         for group in self.groups:
             group.zero_grads(release)
         self.main_grads_attached = False
+        self.grads_since_zero = False
 
     # ------------------------------------------------------------------ recovery
     def backward_died(self) -> bool:
@@ -555,26 +561,8 @@ class Engine:
 
     # ------------------------------------------------------------------ per-forward checks
     def sync_requires_grad(self) -> None:
-        """Honour ``requires_grad_()`` called after wrapping, on either copy of a parameter.
-
-        The module's parameter and the optimizer-facing main parameter are kept equal: whichever
-        changed since the last forward wins. A frozen parameter gets no gradient and keeps ``.grad``
-        None (optimizers skip it); its group reduces only the parameters still trainable
-        (trainable_pack.py, [Note: reducing what requires grad])."""
-        for group in self.groups:
-            for index, (param, main) in enumerate(zip(group.params, group.main_params)):
-                was = group.trainable[index]
-                if param.requires_grad == was and main.requires_grad == was:
-                    continue
-                now = main.requires_grad if main.requires_grad != was else param.requires_grad
-                if now and not group.requires_grad:
-                    raise ValueError(
-                        f"requires_grad: parameter {group.param_names[index]!r} was frozen when fully_shard "
-                        "wrapped it, so it has no gradient buffer and cannot be unfrozen now; set "
-                        "requires_grad before fully_shard (freezing after wrapping is supported).")
-                param.requires_grad_(now)
-                main.requires_grad_(now)
-                group.trainable[index] = now
+        """Honour ``requires_grad_()`` called after wrapping (requires_grad_sync.py)."""
+        sync_requires_grad(self.groups, accumulating=self.grads_since_zero)
 
     def _broadcast_buffers(self) -> None:
         """Rank 0's buffers (e.g. BatchNorm running statistics) on every rank, as torch DDP's

@@ -32,7 +32,7 @@ class GroupReduce:
         """
         if not self.requires_grad or not self.has_unreduced_grads:
             return None
-        if not any(self.trainable):          # frozen since these local sums were made: nothing to reduce
+        if not any(self.reduced):            # frozen since these local sums were made: nothing to reduce
             self._drop_unreduced()
             return None
         pack = self.trainable_pack          # some parameters frozen since wrapping: reduce the rest only
@@ -50,9 +50,9 @@ class GroupReduce:
         return PendingCollective(work, on_complete)
 
     def _drop_unreduced(self) -> None:
-        """Forget local gradients no parameter of the group needs any more (all frozen after they
-        were accumulated: freezing between the micro-batches of one step). Their ``.grad`` stays
-        None; ZeRO-1 puts back the mean an earlier backward of the step left in its region."""
+        """Forget local gradients no parameter of the group needs any more (every parameter frozen
+        since the accumulation began, requires_grad_sync.py). Their ``.grad`` stays None; ZeRO-1
+        puts back the mean an earlier backward of the step left in its region."""
         self._unreduced.clear()
         if self._stash is not None:
             start, end = self.layout.shard_range(self.comm.rank)
@@ -190,9 +190,9 @@ class GroupReduce:
     def trainable_pack(self) -> Optional[TrainablePack]:
         """Where the parameters still trainable go in a packed reduce, or None: reduce the whole
         buffer (every parameter trainable, or HFSDP) ([Note: reducing what requires grad])."""
-        if self.levels is not None or all(self.trainable):
+        if self.levels is not None or all(self.reduced):
             return None
-        return trainable_pack(self.layout, tuple(self.trainable), self.strategy.grad_reduce_op == "reduce_scatter",
+        return trainable_pack(self.layout, tuple(self.reduced), self.strategy.grad_reduce_op == "reduce_scatter",
                               self.comm.rank)
 
     def _unpacked(self, pack: TrainablePack, received: torch.Tensor) -> torch.Tensor:

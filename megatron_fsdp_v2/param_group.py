@@ -96,6 +96,10 @@ class ParamGroup(GroupExport, GroupOffload, GroupReduce):
         # trainable: the requires_grad each parameter had at the last forward (freezing after
         # wrapping is honoured: see Engine.sync_requires_grad).
         self.trainable = [self.requires_grad] * len(self.params)
+        # reduced: trainable at any forward since the grads were last zeroed, so the reduce (and
+        # .grad) keeps what a parameter accumulated before it was frozen mid-step, as torch does
+        # (DeepSpeed's TestZeroUnbalancedGradients freezes half the parameters per micro-batch)
+        self.reduced = list(self.trainable)
         self.has_unreduced_grads = False
         self.awaiting_replica_reduce = False     # hybrid sharding: reduced here, not yet averaged across replicas
         self.reduced_this_backward = False
@@ -429,7 +433,7 @@ class ParamGroup(GroupExport, GroupOffload, GroupReduce):
         buffer = self.main_grad_buffer()
         for index, main in enumerate(self.main_params):
             view = self._main_view(buffer, index)
-            if not self.trainable[index]:       # frozen since wrapping: no gradient, as torch gives
+            if not self.reduced[index]:         # frozen since wrapping, all step: no gradient, as torch gives
                 main.grad = None
             elif none_if_unused and not self.got_grad[index] and not bool(view.any()):
                 main.grad = None
@@ -456,3 +460,4 @@ class ParamGroup(GroupExport, GroupOffload, GroupReduce):
         self._own_region_holds_mean = False
         self.grads_ready = [False] * len(self.params)
         self.got_grad = [False] * len(self.params)
+        self.reduced = list(self.trainable)

@@ -66,7 +66,7 @@ def summon_full_params(module, recurse: bool = True, writeback: bool = True, ran
             for index, param in enumerate(group.params):
                 restore.append((param, param.data, param.grad))
                 param.data = group.full_param(full_main, index)
-                frozen = full_grad is None or not group.trainable[index]     # frozen since wrapping: None
+                frozen = full_grad is None or not group.reduced[index]     # frozen since wrapping: None
                 param.grad = None if frozen else group.full_param(full_grad, index)
     try:
         yield module

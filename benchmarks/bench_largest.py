@@ -138,10 +138,17 @@ def _host_available() -> Optional[int]:
         return None
 
 
+#: Host bytes per offloaded parameter: fp32 main 4 + Adam 8 + grads 4, plus torch's pinned host
+#: allocator rounding each pinned buffer (main and grads, 8 bytes) up to a power of two: up to 8
+#: more; 20 leaves the kernel's out-of-memory killer out of the search (16 let it end a run on
+#: one H200 box, 2026-12-02: benchmarks/results/2026-12-02/largest_offload.md).
+HOST_BYTES_PER_OFFLOADED_PARAM = 20.0
+
+
 def _host_need(ctx: Ctx, fraction: float, num_params: int) -> float:
-    """Offloaded state in host memory: fp32 main 4 + Adam 8 + grads 4 bytes/param per rank of
-    the group, fake or real (every real rank of this host holds its share)."""
-    return 16.0 * fraction * num_params / ctx.world * (ctx.real_world or 1)
+    """Offloaded state in host memory per rank of the group, fake or real (every real rank of this
+    host holds its share)."""
+    return HOST_BYTES_PER_OFFLOADED_PARAM * fraction * num_params / ctx.world * (ctx.real_world or 1)
 
 
 def check_host_memory(ctx: Ctx, fraction: float) -> None:

@@ -5,7 +5,7 @@ Apart from param_group.py, which holds the buffers and the other verbs on them."
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -32,10 +32,10 @@ class GroupReduce:
         """
         if not self.requires_grad or not self.has_unreduced_grads:
             return None
-        if not any(self.reduced):            # frozen since these local sums were made: nothing to reduce
+        if not any(self._holding_local_grads):   # frozen since these local sums were made: nothing to reduce
             self._drop_unreduced()
             return None
-        pack = self.trainable_pack          # some parameters frozen since wrapping: reduce the rest only
+        pack = self.trainable_pack(self._holding_local_grads)   # some frozen since wrapping: the rest only
         full, release_input = self._grad_comm_input(pack)
         if self.levels is not None:
             work, on_complete = self._reduce_blocks(full, release_input, divide_factor)
@@ -155,7 +155,7 @@ class GroupReduce:
         if self.levels is not None:
             self._reduce_world_shard(replicas)
             return
-        buffer, pack = self.main_grad_buffer(), self.trainable_pack
+        buffer, pack = self.main_grad_buffer(), self.trainable_pack(self.reduced)   # every gradient held
         if buffer is None or replicas.size == 1:
             return
         moved = buffer if pack is None else pack.gather_own(buffer, buffer.new_empty(pack.chunk))
@@ -187,12 +187,19 @@ class GroupReduce:
         wait_pending(pending)
 
     @property
-    def trainable_pack(self) -> Optional[TrainablePack]:
-        """Where the parameters still trainable go in a packed reduce, or None: reduce the whole
-        buffer (every parameter trainable, or HFSDP) ([Note: reducing what requires grad])."""
-        if self.levels is not None or all(self.reduced):
+    def _holding_local_grads(self) -> list:
+        """Per parameter, whether it may hold local gradients this reduce must take: DDP / ZeRO-1
+        accumulate over the step (``reduced``: trainable at any forward since the accumulation
+        began, requires_grad_sync.py); ZeRO-2/3 reduce every micro-batch, so only what this
+        backward trained holds any (an earlier micro-batch's gradients are in the shard already)."""
+        return self.trainable if self.strategy.reduce_every_microbatch else self.reduced
+
+    def trainable_pack(self, mask: Sequence[bool]) -> Optional[TrainablePack]:
+        """Where the parameters ``mask`` selects go in a packed reduce, or None: reduce the whole
+        buffer (every parameter selected, or HFSDP) ([Note: reducing what requires grad])."""
+        if self.levels is not None or all(mask):
             return None
-        return trainable_pack(self.layout, tuple(self.reduced), self.strategy.grad_reduce_op == "reduce_scatter",
+        return trainable_pack(self.layout, tuple(mask), self.strategy.grad_reduce_op == "reduce_scatter",
                               self.comm.rank)
 
     def _unpacked(self, pack: TrainablePack, received: torch.Tensor) -> torch.Tensor:

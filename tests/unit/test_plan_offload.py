@@ -201,6 +201,7 @@ def _phase_worker(rank, world_size):
             opt.step()
             seen["step"] = _ours(model, opt)
             opt.zero_grad()
+            gc.collect()        # a pooled worker's leftover cycle must not keep a freed buffer's views alive
         out[strategy] = dict(seen)
         del model, opt, net
     return out

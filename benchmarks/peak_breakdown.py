@@ -578,14 +578,14 @@ def run_system(B, ctx, system, opts) -> Dict[str, Any]:
     return res
 
 
-def select_systems(B, spec: str) -> list:
+def select_systems(B, spec: str, offload_fractions=()) -> list:
     """bench_gpt.py's ``--systems``, except that a full system name selects that system alone
     (there ``ours-optim_grads_params-sf`` also takes ``ours-optim_grads_params-sf-rootsplit``)."""
-    exact = {s.name: s for s in B.all_systems()}
+    exact = {s.name: s for s in B.all_systems(offload_fractions)}
     chosen = []
     for token in (t.strip() for t in spec.split(",")):
         if token:
-            for s in [exact[token]] if token in exact else B.select_systems(token):
+            for s in [exact[token]] if token in exact else B.select_systems(token, offload_fractions):
                 if s not in chosen:
                     chosen.append(s)
     order = list(exact)
@@ -631,7 +631,7 @@ def main(argv=None) -> int:
     import torch.distributed as dist
 
     B.quiet_libraries(args.verbose)
-    systems = select_systems(B, args.systems)
+    systems = select_systems(B, args.systems, args.offload_fractions)
     ctx = B.init_distributed(args)
     if not ctx.is_cuda:
         print("--device cpu: CUDA memory history does not exist on CPU; running one plumbing step per system "

@@ -22,10 +22,31 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_gpt as B  # noqa: E402
 
 
+def _phase_times(built, steps: int = 3) -> dict:
+    """Wall time of forward + backward, optimizer step and zero_grad, each followed by a device
+    synchronize (so overlap across phases is lost: the parts, not the step)."""
+    rows = {"fwd_bwd": [], "opt_step": [], "zero_grad": []}
+    for _ in range(steps):
+        for name, fn in (("fwd_bwd", built.fwd_bwd), ("opt_step", built.opt_step), ("zero_grad", built.zero_grad)):
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            rows[name].append((time.perf_counter() - t0) * 1e3)
+    out = {k: sorted(v)[len(v) // 2] for k, v in rows.items()}
+    for obj in built.keep:                 # ours with OffloadPolicy(step_in_backward=True): the thread's time
+        steps = getattr(getattr(obj, "_fsdp_engine", None), "backward_steps", None)
+        if steps is not None and steps.groups_stepped:
+            n = steps.groups_stepped
+            out.update({f"thread {k} per group": v * 1e3 / n for k, v in steps.seconds.items()})
+            out["groups uploaded by the thread / stepped"] = steps.groups_uploaded / n
+            break
+    return out
+
+
 def main() -> int:
     args = B.parse_args(sys.argv[1:] + ["--warmup", "3"])
     B.quiet_libraries(args.verbose)
-    systems = B.select_systems(args.systems)
+    systems = B.select_systems(args.systems, args.offload_fractions)
     ctx = B.init_distributed(args)
     with contextlib.ExitStack() as stack:
         B.prepare_process(ctx, stack)
@@ -51,6 +72,8 @@ def main() -> int:
                   f"peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
             print(events.table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60))
             print(events.table(sort_by="self_cpu_time_total", row_limit=8, max_name_column_width=60))
+            print(f"phases of {system.name} (ms, synchronized after each; median of 3): "
+                  + ", ".join(f"{k} {v:.1f}" for k, v in _phase_times(built).items()), flush=True)
             B.release_autograd_hooks(*built.keep)
             del built
             B.cleanup(ctx)

@@ -251,6 +251,9 @@ class Engine:
             return
         if first_trigger or group is None:
             unit.unshard(async_op=False)
+            if unit.is_root:
+                for root_group in unit.groups:
+                    root_group.after_backward_gather()
         else:
             group.unshard(async_op=False)
         if first_trigger:
@@ -393,10 +396,12 @@ class Engine:
     # ------------------------------------------------------------------ between backward and step
     def before_optimizer_step(self, optimizer, stepped: set, args, kwargs) -> None:
         """``optimizer`` (holding the main parameters ``stepped``) begins its step (optimizer_hook.py)."""
+        uploaded: set = set()
         if self.backward_steps is not None:
-            self.backward_steps.before_step(optimizer, stepped, args, kwargs)
+            # (groups the thread stepped and uploaded already: this step leaves them as they are)
+            uploaded = self.backward_steps.before_step(optimizer, stepped, args, kwargs)
         self.check_ready_for_optimizer_step()
-        self.mark_main_weights_changed(stepped)
+        self.mark_main_weights_changed(stepped - uploaded)
 
     def after_optimizer_step(self) -> None:
         self.grads_since_zero = False              # the step consumed the accumulation

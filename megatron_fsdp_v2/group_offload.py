@@ -56,12 +56,12 @@ class GroupOffload:
             return
         if not self.strategy.weights_sharded:            # ZeRO-1/2: straight into the replicated weights
             offloaded.upload(self.main_shard, slot, self._version_now())
+        elif offloaded.stepped_early:                    # host and device hold next step's weights already
+            raise RuntimeError(
+                f"offload: group {self.name} was gathered again in the backward that stepped it "
+                "(OffloadPolicy(step_in_backward=True)): a weight of it is used after its gradients "
+                "were complete; use step_in_backward=False for this model.")
         elif offloaded.uploaded_version is None or offloaded.uploaded_version != self._version_now():
-            if offloaded.stepped_early:                  # the host holds next step's weights already
-                raise RuntimeError(
-                    f"offload: group {self.name} was gathered again in the backward that stepped it "
-                    "(OffloadPolicy(step_in_backward=True)): a weight of it is used after its gradients "
-                    "were complete; use step_in_backward=False for this model.")
             self.start_upload()                          # changed since the post-step upload (a load)
         offloaded.wait_upload()
         if self.strategy.weights_sharded:
@@ -72,16 +72,33 @@ class GroupOffload:
         """``main_version()``, or None while the main parameters are being made (construction)."""
         return self.main_version() if getattr(self, "main_params", None) is not None else None
 
-    def start_upload(self) -> None:
+    def start_upload(self, after=None) -> None:
         """ZeRO-3: start the copy of the host main shard to the device compute-weight shard (right
-        after an optimizer step); the next gather of this group waits for it on the device."""
+        after an optimizer step); the next gather of this group waits for it on the device.
+        ``after``: an event of the compute stream the copy waits for instead of all its work so
+        far (an upload started on the host thread that stepped the group during backward)."""
         if self.offloaded is not None and self.strategy.weights_sharded:
-            self.offloaded.upload(self.main_shard, self.offloaded.device_compute_shard(), self._version_now())
+            self.offloaded.upload(self.main_shard, self.offloaded.device_compute_shard(), self._version_now(), after)
+
+    @property
+    def uploads_when_stepped_in_backward(self) -> bool:
+        """ZeRO-3 (flat, compute shard kept): a group stepped during backward is gathered no more
+        before the next forward, so its new weights can go up at once, behind the rest of
+        backward, instead of after ``optimizer.step()`` (offload_steps.py)."""
+        offloaded = self.offloaded
+        return (offloaded is not None and self.strategy.weights_sharded and self.levels is None
+                and not offloaded.release_after_gather)
+
+    def after_backward_gather(self) -> None:
+        """The root's gather at the start of backward read its compute shards: with
+        ``release_after_gather`` they go (offload.py, ``release_shards_after_gathers``)."""
+        if self.offloaded is not None and self.strategy.weights_sharded:
+            self.offloaded.after_gather(in_backward=True)
 
     def prefetch_upload(self) -> None:
         """ZeRO-3, ``release_after_gather``: copy a released compute shard back ahead of its gather."""
         offloaded = self.offloaded
-        if offloaded is not None and self.strategy.weights_sharded and offloaded.compute_shard is None:
+        if offloaded is not None and offloaded.release_after_gather and offloaded.compute_shard is None:
             self.start_upload()
 
     def _refresh_whole_weights(self) -> None:

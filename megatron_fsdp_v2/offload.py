@@ -124,13 +124,18 @@ def choose_offloaded(group_bytes: Sequence[int], fraction: float) -> frozenset:
 
 def release_shards_after_gathers(units: Sequence, policy: Optional[OffloadPolicy]) -> None:
     """``policy.release_after_gather``: the offloaded groups of non-root units free their device
-    compute shard after each gather (the root's stay: it is gathered at both ends of backward)."""
+    compute shard after each gather; the root's after its gather at the start of backward (it
+    stays gathered through backward, so nothing reads its shard again before the next step's
+    upload, and freeing it costs no copy)."""
     if policy is None or not policy.release_after_gather:
         return
     for unit in units:
-        for group in ([] if unit.is_root else unit.groups):
+        for group in unit.groups:
             if group.offloaded is not None:
-                group.offloaded.release_after_gather = True
+                if unit.is_root:
+                    group.offloaded.release_after_backward_gather = True
+                else:
+                    group.offloaded.release_after_gather = True
 
 
 class HostLink:
@@ -154,8 +159,9 @@ class HostLink:
         out.copy_(tensor.reshape(-1))
         return out
 
-    def copy(self, dst: torch.Tensor, make_src: Callable[[], torch.Tensor], upload: bool = False):
-        """``dst.copy_(make_src())`` after the work queued so far on the compute stream, on a side
+    def copy(self, dst: torch.Tensor, make_src: Callable[[], torch.Tensor], upload: bool = False, after=None):
+        """``dst.copy_(make_src())`` after the work queued so far on the compute stream (or, given
+        ``after``, an event recorded on it: a copy started from another host thread), on a side
         stream when there is one (``upload``: the host-to-device one); returns its event (None:
         done already). ``make_src`` runs on that stream too, so device temporaries it allocates
         are that stream's."""
@@ -164,7 +170,10 @@ class HostLink:
                 dst.copy_(make_src())
             return None
         stream = self.upload_stream if upload else self.stream
-        stream.wait_stream(self._module.current_stream(self.device))
+        if after is not None:
+            stream.wait_event(after)
+        else:
+            stream.wait_stream(self._module.current_stream(self.device))
         with torch.no_grad(), self._module.stream(stream):
             src = make_src()
             dst.copy_(src, non_blocking=True)
@@ -174,6 +183,14 @@ class HostLink:
                 dst.record_stream(stream)
             event = self._module.Event()
             event.record(stream)
+        return event
+
+    def compute_event(self):
+        """An event recorded now on the compute stream (None without streams)."""
+        if self.stream is None:
+            return None
+        event = self._module.Event()
+        event.record(self._module.current_stream(self.device))
         return event
 
     def device_waits(self, event) -> None:
@@ -202,6 +219,7 @@ class OffloadedGroup:
         self.compute_shard = (torch.empty(compute_numel, dtype=compute_dtype, device=link.device)
                               if compute_numel else None)
         self.release_after_gather = False     # OffloadPolicy.release_after_gather, for non-root groups
+        self.release_after_backward_gather = False    # the same for the root's groups
         self.stepped_early = False            # stepped during this backward (offload_steps.py)
         self._upload_event = None
         self.uploaded_version: Optional[int] = None
@@ -256,13 +274,14 @@ class OffloadedGroup:
         self.grad_fresh = True
 
     # -- weights -----------------------------------------------------------------------------
-    def upload(self, main: torch.Tensor, dst: torch.Tensor, version: int) -> None:
-        """Start the copy of the host ``main`` shard into ``dst`` (device, compute dtype)."""
+    def upload(self, main: torch.Tensor, dst: torch.Tensor, version: int, after=None) -> None:
+        """Start the copy of the host ``main`` shard into ``dst`` (device, compute dtype), after the
+        compute stream's work so far (or after the event ``after``, see ``HostLink.copy``)."""
         if dst.dtype == main.dtype:
             make_src = lambda: main                                  # noqa: E731
         else:
             make_src = lambda: main.to(self.link.device, non_blocking=True)   # noqa: E731  cast on the device
-        self._upload_event = self.link.copy(dst, make_src, upload=True)
+        self._upload_event = self.link.copy(dst, make_src, upload=True, after=after)
         self.uploaded_version = version
 
     def device_compute_shard(self) -> torch.Tensor:
@@ -272,12 +291,16 @@ class OffloadedGroup:
             self.compute_shard = torch.empty(numel, dtype=dtype, device=self.link.device)
         return self.compute_shard
 
-    def after_gather(self) -> None:
+    def after_gather(self, in_backward: bool = False) -> None:
         """A gather read the compute shard: free it if the policy says so (the next gather, seeing
         no upload of the current version, copies it again)."""
-        if self.release_after_gather:
+        if self.release_after_gather or (in_backward and self.release_after_backward_gather):
             self.compute_shard = None             # (allocated on the compute stream, read there last)
             self.uploaded_version = None
+
+    def wait_upload_on_host(self) -> None:
+        """The calling host thread waits until the last upload ran."""
+        self.link.host_waits(self._upload_event)
 
     def wait_upload(self) -> None:
         """The compute stream waits for the last upload."""

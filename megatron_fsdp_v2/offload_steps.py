@@ -34,9 +34,15 @@ opting in, and what is checked at ``optimizer.step()`` (a clear error, never a s
   gradients are complete): such a gather raises rather than read the new weights (ZeRO-3).
 
 Root-unit groups (embedding, output layer) are not handed over: they are gathered through backward
-and their gradients complete last, so nothing would overlap. The weights go back to the device
-after ``optimizer.step()`` (the device's compute weights must stay the old ones until backward
-ends; ZeRO-1/2's refresh is a collective, issued in one order on every rank by the main thread).
+and their gradients complete last, so nothing would overlap. ZeRO-3 keeps a compute-weight shard
+per group that only gathers read, and a stepped group is not gathered again before the next
+forward (checked), so the thread starts its upload right after stepping it, behind the rest of
+backward (waiting on the device for an event recorded when the group was handed over, after its
+backward gather was queued); ``optimizer.step()`` then uploads only the rest. The other
+strategies' weights go back after ``optimizer.step()`` (ZeRO-1/2's refresh is a collective,
+issued in one order on every rank by the main thread; DDP's weights are the module's, read until
+backward ends), as do ZeRO-3 shards released after gathers (``release_after_gather``: an upload
+during backward would hold them through it).
 ``check_for_nan_in_grad`` models do not hand groups over (the check reads every gradient before
 any step).
 """
@@ -45,6 +51,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 import weakref
 from typing import Optional
 
@@ -108,6 +115,7 @@ class _Attached:
     def __init__(self, group, hyper: Optional[list] = None) -> None:
         self.group = group
         self.hyper = hyper
+        self.uploaded = False      # the thread started its new weights' upload (ZeRO-3)
         self.grads = [m.grad for m in group.main_params]
         self.versions = self._versions()
 
@@ -137,6 +145,10 @@ class BackwardSteps:
         self._handed: set = set()              # ids of groups handed to the thread in this backward
         self._error: Optional[BaseException] = None
         self.groups_stepped = 0                # how many group steps the thread ran (a count for tests)
+        self.groups_uploaded = 0               # of them, uploaded by the thread at once (ZeRO-3)
+        self._last_upload = None               # OffloadedGroup of the thread's last upload
+        # the thread's time: waiting for gradient copies, stepping (and starting uploads); benchmarks read it
+        self.seconds = {"waiting_for_grads": 0.0, "stepping": 0.0}
         weakref.finalize(self, self._queue.put, None)    # ends the thread with this object
 
     @property
@@ -156,7 +168,8 @@ class BackwardSteps:
                                                                 self.threads),
                                             name="megatron_fsdp_v2 offloaded steps", daemon=True)
             self._thread.start()
-        self._queue.put((group, optimizer, unused_grads_are_none))
+        # the group's last device reads of its compute shard (its backward gather) are queued by now
+        self._queue.put((group, optimizer, unused_grads_are_none, self.link.compute_event()))
         return True
 
     def attach(self, group, unused_grads_are_none: bool) -> None:
@@ -168,11 +181,13 @@ class BackwardSteps:
         if self._handed:
             self._others.append(_Attached(group))
 
-    def _run(self, group, optimizer, unused_grads_are_none: bool) -> None:
+    def _run(self, group, optimizer, unused_grads_are_none: bool, handed_at) -> None:
         if self._error is not None:
             return
         try:
+            began = time.perf_counter()
             group.offloaded.flush()
+            landed = time.perf_counter()
             group.attach_main_grads(none_if_unused=unused_grads_are_none)
             record = _Attached(group, _hyperparameters(optimizer))
             group.offloaded.stepped_early = True
@@ -180,6 +195,16 @@ class BackwardSteps:
                 _step_subset(optimizer, list(group.main_params))
             self._stepped[id(group)] = record
             self.groups_stepped += 1
+            if group.uploads_when_stepped_in_backward:
+                # one upload in flight: its device copy in the main dtype is the only one backward holds
+                if self._last_upload is not None:
+                    self._last_upload.wait_upload_on_host()
+                group.start_upload(after=handed_at)
+                self._last_upload = group.offloaded
+                record.uploaded = True
+                self.groups_uploaded += 1
+            self.seconds["waiting_for_grads"] += landed - began
+            self.seconds["stepping"] += time.perf_counter() - landed
         except BaseException as exc:   # noqa: BLE001 -- raised in the main thread at the next wait
             self._error = exc
 
@@ -204,8 +229,9 @@ class BackwardSteps:
                 "optimizer.step(): that backward must be the last before the step, and the gradients "
                 "must stay as it left them (no clipping or scaling; use step_in_backward=False for that).")
 
-    def before_step(self, optimizer, stepped_ids: set, args, kwargs) -> None:
-        """``optimizer.step()`` begins: wait, check, hide the stepped groups' ``.grad``."""
+    def before_step(self, optimizer, stepped_ids: set, args, kwargs) -> set:
+        """``optimizer.step()`` begins: wait, check, hide the stepped groups' ``.grad``; returns the
+        ids of the main parameters whose new weights the thread uploaded already."""
         self.wait()
         if self.optimizer is not optimizer:
             if self.optimizer is not None:
@@ -233,13 +259,18 @@ class BackwardSteps:
                     "offload: the optimizer's hyperparameters changed between the step of the offloaded groups "
                     "during backward and optimizer.step() (OffloadPolicy(step_in_backward=True)); change them "
                     "after optimizer.step() (as LR schedulers do).")
+        uploaded = set()
         for record in self._stepped.values():
             for main in record.group.main_params:
                 main.grad = None
+                if record.uploaded:
+                    uploaded.add(id(main))
+        return uploaded
 
     def after_step(self) -> None:
         """Put the stepped groups' ``.grad`` back; the next backward's groups start afresh."""
         stepped, self._stepped = self._stepped, {}
+        self._last_upload = None
         for record in stepped.values():
             record.group.offloaded.stepped_early = False
             for main, grad in zip(record.group.main_params, record.grads):

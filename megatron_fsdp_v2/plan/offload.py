@@ -10,7 +10,8 @@ Per step and offloaded trainable group ([Note: offload by fraction]):
 * ``h2d_weights``: after the step, the stepped main shard (main dtype) goes back to the device once;
   when the compute dtype differs the cast runs on the device, from a main-dtype copy that lives
   until the copy has run (``upload_transients``: every group's at once, an upper bound, since
-  the uploads are issued together after the step).
+  the uploads are issued together after the step). With ``step_in_backward`` ZeRO-3 uploads the
+  non-root groups during backward instead, one at a time (``backward_upload_transient``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from ..offload import OffloadPolicy, choose_offloaded, offload_choice_bytes
 from ..strategy import ShardingStrategy
 from .groups import PlannedGroup
 
-__all__ = ["check_offload", "host_transfers", "offloaded_groups", "upload_transients"]
+__all__ = ["backward_upload_transient", "check_offload", "host_transfers", "offloaded_groups", "upload_transients"]
 
 
 def check_offload(offload, offload_fractions) -> tuple:
@@ -71,7 +72,23 @@ def host_transfers(groups: list[PlannedGroup], offloaded: frozenset, strategy: S
     return out
 
 
+def _transient(group: PlannedGroup, strategy: ShardingStrategy) -> int:
+    """Device bytes of the main-dtype copy one upload of ``group`` casts from (0 without a cast)."""
+    if not group.requires_grad or group.dtypes.compute == group.dtypes.main:
+        return 0
+    return _main_numel(group, strategy) * group.dtypes.main.itemsize
+
+
 def upload_transients(groups: list[PlannedGroup], offloaded: frozenset, strategy: ShardingStrategy) -> int:
     """Device bytes of the main-dtype copies the post-step uploads cast from (all at once)."""
-    return sum(_main_numel(groups[i], strategy) * groups[i].dtypes.main.itemsize for i in offloaded
-               if groups[i].requires_grad and groups[i].dtypes.compute != groups[i].dtypes.main)
+    return sum(_transient(groups[i], strategy) for i in offloaded)
+
+
+def backward_upload_transient(groups: list[PlannedGroup], offloaded: frozenset, strategy: ShardingStrategy,
+                              root_groups: int, uploads_in_backward: bool) -> int:
+    """ZeRO-3 with ``OffloadPolicy(step_in_backward=True)`` (shards kept): the host thread uploads
+    each non-root group it stepped during backward, one copy in flight at a time, so backward holds
+    at most the largest such group's main-dtype copy (the first ``root_groups`` are the root's)."""
+    if not (uploads_in_backward and strategy.weights_sharded):
+        return 0
+    return max((_transient(groups[i], strategy) for i in offloaded if i >= root_groups), default=0)

@@ -48,12 +48,14 @@ def check_activation_bytes(value) -> Optional[int]:
 
 
 def step_phases(units: list, strategy: ShardingStrategy, shard_size: int, kept: dict, micro_batches: int,
-                persistent_grads: bool, upload_bytes: int, offloaded_accumulation: int) -> dict:
+                persistent_grads: bool, upload_bytes: int, offloaded_accumulation: int,
+                backward_upload_bytes: int = 0) -> dict:
     """``{"forward_end", "last_unit_backward", "step"}``: our device bytes at each moment
     ([Note: the peak with activations]), from the planned schedule (schedule.py) and ``kept``
     (the rank's ``rank_persistent_bytes``); ``offloaded_accumulation``: offloaded DDP/ZeRO-1
     groups' device gradient buffers, alive from their first gradient to the end of the backward
-    that lands them on the host."""
+    that lands them on the host; ``backward_upload_bytes``: an upload's copy in flight during
+    backward (offload with ``step_in_backward``)."""
     fresh = micro_batches == 1 and not persistent_grads       # the step starts without gradients
     trace = microbatch_trace(units, strategy, shard_size, grad_buffers=fresh)
     kinds = ("weights", "reduce_input", "grad_buffer")
@@ -61,7 +63,7 @@ def step_phases(units: list, strategy: ShardingStrategy, shard_size: int, kept: 
     _, in_last_unit = trace.live_between("backward_start", "previous_unit_grads", kinds)
     start = kept["total"] - (0 if persistent_grads else kept["grads"])
     base = start if fresh else kept["total"] + offloaded_accumulation
-    return {"forward_end": start + at_forward_end, "last_unit_backward": base + in_last_unit,
+    return {"forward_end": start + at_forward_end, "last_unit_backward": base + in_last_unit + backward_upload_bytes,
             "step": kept["total"] + upload_bytes}
 
 

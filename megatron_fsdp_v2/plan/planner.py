@@ -20,7 +20,7 @@ from ..strategy import STRATEGY_NAMES, ShardingStrategy, get_strategy
 from .auto import choose
 from .groups import planned_units
 from .memory import OPTIMIZER_STATE_COPIES, rank_persistent_bytes
-from .offload import check_offload, host_transfers, offloaded_groups, upload_transients
+from .offload import backward_upload_transient, check_offload, host_transfers, offloaded_groups, upload_transients
 from .phases import check_activation_bytes, step_phases
 from .report import Plan, StrategyPlan
 from .schedule import ring_bytes, step_comm, step_temporaries
@@ -79,6 +79,7 @@ class _Job:
     persistent_grads: bool
     activation_bytes: Optional[int]
     buffers: list
+    uploads_in_backward: bool = False     # OffloadPolicy(step_in_backward=True), shards kept
 
 
 def _candidate(units: list, strategy: ShardingStrategy, shape, world_size: int, fraction, job: _Job) -> StrategyPlan:
@@ -94,8 +95,10 @@ def _candidate(units: list, strategy: ShardingStrategy, shape, world_size: int, 
                                                    else 0 for g in groups]
     accumulation = sum(full_grads[i] for i in offloaded) if full_grads else 0
     temporaries["peak"] += accumulation          # offloaded DDP/ZeRO-1: the device buffer lands on the host
+    root_groups = sum(len(u.groups) for u in units if u.is_root)
     phases = step_phases(units, strategy, inner, max(ranks, key=lambda r: r["total"]), k, job.persistent_grads,
-                         upload_transients(groups, offloaded, strategy), accumulation)
+                         upload_transients(groups, offloaded, strategy), accumulation,
+                         backward_upload_transient(groups, offloaded, strategy, root_groups, job.uploads_in_backward))
     return StrategyPlan(strategy.name, (outer, inner), ranks, temporaries, comm, wire, fraction,
                         host_transfers(groups, offloaded, strategy, k), phases, job.activation_bytes)
 
@@ -114,7 +117,8 @@ def plan_candidates(module: nn.Module, strategies, world_size: int, hybrid_shape
     if not isinstance(persistent_grads, bool):
         raise TypeError(f"persistent_grads must be True or False, got {persistent_grads!r}.")
     job = _Job(optimizer, micro_batches, persistent_grads, check_activation_bytes(activation_bytes),
-               _buffer_bytes(module) if broadcast_buffers else [])
+               _buffer_bytes(module) if broadcast_buffers else [],
+               isinstance(offload, OffloadPolicy) and offload.step_in_backward and not offload.release_after_gather)
     alignment = default_alignment(torch.device(device))
     out = []
     for shape in _shapes(world_size, hybrid_shape):

@@ -218,16 +218,17 @@ def release_worker(rank, world_size):
                                 offload=OffloadPolicy(fraction=fraction, release_after_gather=True))
         offloaded = [g for g in model._fsdp_engine.groups if g.offloaded is not None]
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        on_device = []
+        on_device, after_backward = [], []
         for step in range(3):
             for i, (x, y) in enumerate(make_batches(step, rank, 2)):
                 with (model.no_sync() if i == 0 else contextlib.nullcontext()):
                     output = model(x)
                     on_device.append([g.offloaded.compute_shard is not None for g in offloaded])
                     loss_fn(output, y).backward()
+                    after_backward.append([g.offloaded.compute_shard is not None for g in offloaded])
             opt.step()
             opt.zero_grad()
-        out[fraction] = (model.full_state_dict(), on_device)
+        out[fraction] = (model.full_state_dict(), on_device, after_backward)
     return out
 
 
@@ -235,9 +236,11 @@ def test_released_compute_shards_train_bitwise_alike_and_leave_the_device():
     for result in run_distributed(release_worker, 2):
         want = result[0.0][0]
         for fraction in (0.5, 1.0):
-            got, on_device = result[fraction]
+            got, on_device, after_backward = result[fraction]
             assert all(torch.equal(got[n], want[n]) for n in want), fraction
             # from the second forward on (the order known): only the root's shard and the last
             # unit's, copied again for the backward that follows at once
             expected = [True, False, False, True] if fraction == 1.0 else [False] * (len(on_device[0]) - 1) + [True]
             assert on_device[1:] == [expected] * 5, (fraction, on_device)
+            # after every backward none: the root's goes after its gather at the start of backward
+            assert after_backward == [[False] * len(expected)] * 6, (fraction, after_backward)

@@ -60,7 +60,21 @@ def parity_worker(rank, world_size):
                 handed = sum(g.offloaded is not None for g in engine.groups if g not in engine.units[0].groups)
                 out[(strategy, kind, fraction)] = (model.full_state_dict(), steps.groups_stepped if steps else 0,
                                                    handed)
+                if steps is not None:
+                    fresh = _uploaded_before_step(model, rank)
+                    out[(strategy, kind, fraction, "uploaded")] = (steps.groups_uploaded, fresh)
     return out
+
+
+def _uploaded_before_step(model, rank):
+    """After one more backward, before ``optimizer.step()``: per offloaded non-root group, whether
+    its device compute shard already holds the host's new main weights."""
+    engine = model._fsdp_engine
+    _backward(model, rank, 3)
+    engine.backward_steps.wait()
+    root = engine.units[0].groups
+    return [torch.equal(g.offloaded.compute_shard, g.main_shard.to(g.offloaded.compute_shard.dtype))
+            for g in engine.groups if g.offloaded is not None and g not in root and g.offloaded.compute_shard is not None]
 
 
 def test_groups_stepped_during_backward_train_bitwise_alike():
@@ -74,6 +88,12 @@ def test_groups_stepped_during_backward_train_bitwise_alike():
                     # steps 2 and 3 (the first teaches the optimizer), every offloaded non-root group
                     assert 0 < handed <= 3 and stepped == 2 * handed, (strategy, kind, fraction, stepped)
                 assert result[(strategy, kind, 0.5)][2] < result[(strategy, kind, 1.0)][2] == 3
+                # ZeRO-3: the thread uploads each group it stepped at once (ZeRO-1 refreshes after the step)
+                uploaded, fresh = result[(strategy, kind, 1.0, "uploaded")]
+                if strategy == "optim_grads_params":
+                    assert uploaded == result[(strategy, kind, 1.0)][1] + 3 and fresh == [True] * 3, (kind, uploaded)
+                else:
+                    assert uploaded == 0 and fresh == [], (strategy, kind, uploaded, fresh)
 
 
 def _error_of(action) -> str:

@@ -50,13 +50,13 @@ def _count_copies(counts: dict):
     before the engine's global one uploads)."""
     original = HostLink.copy
 
-    def copy(self, dst, make_src, upload=False):
+    def copy(self, dst, make_src, upload=False, after=None):
         src = make_src()
         assert upload == counts["after_step"], "an upload outside the step's post-hook, or a landing inside it"
         kind = counts["h2d_weights" if upload else "d2h_grads"]
         kind["count"] += 1
         kind["bytes"] += src.numel() * src.element_size()
-        return original(self, dst, lambda: src, upload=upload)
+        return original(self, dst, lambda: src, upload=upload, after=after)
     return copy
 
 
@@ -216,3 +216,27 @@ def test_phases_equal_our_bytes_at_those_moments(world_size):
             assert got[strategy] == planned.phases, (strategy, rank)
         assert planned.peak_with_activations == max(planned.phases["last_unit_backward"] + 10 ** 6,
                                                     planned.phases["step"], planned.peak_bytes)
+
+
+def test_uploads_during_backward_add_one_groups_main_dtype_copy_to_backward():
+    """``OffloadPolicy(step_in_backward=True)``: ZeRO-3 uploads each non-root group the host thread
+    stepped during backward, one at a time, casting on the device from a main-dtype (fp32) copy of
+    the group's shard: backward holds the largest such copy (offload_steps.py). Not with
+    ``release_after_gather`` (uploads after the step) nor for ZeRO-1 (refresh after the step)."""
+    from megatron_fsdp_v2.plan.groups import planned_units
+    with torch.device("meta"):
+        model = UnevenNet()
+    kwargs = dict(world_size=2, unit_modules=[Block], mixed_precision=POLICY, optimizer="adamw", device="cpu")
+
+    def backward_bytes(strategy, **policy):
+        return plan(model, strategy, offload=OffloadPolicy(fraction=1.0, **policy), **kwargs).candidates[0].phases[
+            "last_unit_backward"]
+
+    units = planned_units(model, [Block], POLICY, 2, 1)
+    largest = max(g.layout.shard_numel * 4 for u in units if not u.is_root for g in u.groups)
+    assert largest > 0
+    assert backward_bytes("optim_grads_params", step_in_backward=True) - backward_bytes("optim_grads_params") \
+        == largest
+    assert backward_bytes("optim_grads_params", step_in_backward=True, release_after_gather=True) \
+        == backward_bytes("optim_grads_params", release_after_gather=True)
+    assert backward_bytes("optim", step_in_backward=True) == backward_bytes("optim")

@@ -16,6 +16,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
 from megatron_fsdp_v2 import STRATEGY_NAMES, fully_shard
+from megatron_fsdp_v2.strategy import get_strategy
 
 from .dist_utils import run_distributed
 
@@ -57,10 +58,13 @@ def _run(model: nn.Module, bn: nn.BatchNorm1d, rank: int) -> list[torch.Tensor]:
         g = torch.Generator().manual_seed(100 * index + rank)
         x = torch.randn(6, 3, generator=g) * (rank + 1) + rank
         model.train(train)
+        # the backward inside no_sync() too: DDP decides at the forward whether its backward
+        # reduces, FSDP2 and Megatron (and ours) at the backward, so only then do both accumulate
+        # the same way (equal math, but rounding shows in the statistics)
         with (model.no_sync() if no_sync else contextlib.nullcontext()), torch.set_grad_enabled(grad):
             out = model(x)
-        if grad:
-            out.pow(2).mean().backward()
+            if grad:
+                out.pow(2).mean().backward()
         if step:
             opt.step()
             opt.zero_grad()
@@ -86,7 +90,11 @@ def test_buffers_equal_torch_ddp_after_every_forward_with_no_sync_and_evaluation
     for rank, (out, _) in enumerate(results):
         for strategy, diffs in out.items():
             print(f"rank {rank} {strategy}: max |ours - DDP| per forward {diffs}")
-            assert max(diffs) == 0.0, (rank, strategy, [(SCHEDULE[i][0], d) for i, d in enumerate(diffs) if d])
+            # ZeRO-2/3 reduce every micro-batch ((a0 + a1) / 2 + (b0 + b1) / 2 where DDP reduces the
+            # local sums once): the same weights up to rounding, which reaches the statistics at
+            # ~1e-8; a broadcast missed or added moves them by the ranks' difference (> 1e-3, below)
+            bound = 1e-6 if get_strategy(strategy).reduce_every_microbatch else 0.0
+            assert max(diffs) <= bound, (rank, strategy, [(SCHEDULE[i][0], d) for i, d in enumerate(diffs) if d])
     # not vacuous: after every training-mode forward the ranks' statistics differ (each adds its
     # own batch), so a broadcast missed or added shows on rank 1
     (_, want0), (_, want1) = results

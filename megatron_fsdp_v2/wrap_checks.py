@@ -165,9 +165,15 @@ def sync_module_states(module: nn.Module, comm: Communicator, skip: frozenset = 
 
 
 def group_device(comm: Communicator) -> torch.device:
-    """Where a process group's tensors live: the current CUDA device for NCCL, else the CPU."""
-    if dist.get_backend(comm.group) == "nccl":
+    """Where a process group's tensors live: the current CUDA device for NCCL; for torch's fake
+    group (one process playing one rank of N, to measure memory) the current accelerator where
+    there is one, as the real job would; else the CPU."""
+    backend = dist.get_backend(comm.group)
+    if backend == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
+    if backend == "fake" and torch.accelerator.is_available():
+        accelerator = torch.accelerator.current_accelerator()
+        return torch.device(accelerator.type, torch.accelerator.current_device_index())
     return torch.device("cpu")
 
 

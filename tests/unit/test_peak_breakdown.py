@@ -204,9 +204,9 @@ def test_full_name_selects_one_system():
     names = ["ours-x-sf", "ours-x-sf-rootsplit", "ours-x-tp", "fsdp2-zero3", "fsdp2-no_reshard"]
     systems = [types.SimpleNamespace(name=n) for n in names]
 
-    def prefix_select(token):
+    def prefix_select(token, offload_fractions=()):
         return [s for s in systems if s.name == token or s.name.startswith(token + "-")]
 
-    B = types.SimpleNamespace(all_systems=lambda: systems, select_systems=prefix_select)
+    B = types.SimpleNamespace(all_systems=lambda offload_fractions=(): systems, select_systems=prefix_select)
     assert [s.name for s in pb.select_systems(B, "fsdp2-zero3, ours-x-sf")] == ["ours-x-sf", "fsdp2-zero3"]
     assert [s.name for s in pb.select_systems(B, "ours-x,fsdp2")] == names

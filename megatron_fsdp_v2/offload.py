@@ -24,9 +24,11 @@ Per step, for an offloaded group:
                    parameters point at the host gradient.
   optimizer step   on the CPU for these parameters (the user's optimizer). Opted in with
                    ``step_in_backward=True``, a non-root group steps on a host thread as soon
-                   as its gradient landed, overlapped with the rest of backward
-                   (offload_steps.py, [Note: offloaded steps during backward]).
+                   as its gradient landed, overlapped with the rest of backward, and (ZeRO-3)
+                   that thread starts its upload at once (offload_steps.py, [Note: offloaded
+                   steps during backward]).
   after the step   the engine's post-step hook starts the host-to-device copy of the main shard
+                   of every group not uploaded yet
                    (``upload``) on the side stream, cast to the compute dtype on the device
                    (one group's main-dtype shard is a transient device buffer). ZeRO-3 keeps the
                    result as a persistent compute-weight shard the all-gather reads; ZeRO-1/2
@@ -125,8 +127,9 @@ def choose_offloaded(group_bytes: Sequence[int], fraction: float) -> frozenset:
 def release_shards_after_gathers(units: Sequence, policy: Optional[OffloadPolicy]) -> None:
     """``policy.release_after_gather``: the offloaded groups of non-root units free their device
     compute shard after each gather; the root's after its gather at the start of backward (it
-    stays gathered through backward, so nothing reads its shard again before the next step's
-    upload, and freeing it costs no copy)."""
+    stays gathered through backward, so with one micro-batch per step nothing reads its shard
+    again before the next step's upload and freeing it costs no copy; a later micro-batch's
+    forward copies it again, waited for there)."""
     if policy is None or not policy.release_after_gather:
         return
     for unit in units:

@@ -115,7 +115,6 @@ class _Attached:
     def __init__(self, group, hyper: Optional[list] = None) -> None:
         self.group = group
         self.hyper = hyper
-        self.uploaded = False      # the thread started its new weights' upload (ZeRO-3)
         self.grads = [m.grad for m in group.main_params]
         self.versions = self._versions()
 
@@ -201,7 +200,6 @@ class BackwardSteps:
                     self._last_upload.wait_upload_on_host()
                 group.start_upload(after=handed_at)
                 self._last_upload = group.offloaded
-                record.uploaded = True
                 self.groups_uploaded += 1
             self.seconds["waiting_for_grads"] += landed - began
             self.seconds["stepping"] += time.perf_counter() - landed
@@ -263,8 +261,8 @@ class BackwardSteps:
         for record in self._stepped.values():
             for main in record.group.main_params:
                 main.grad = None
-                if record.uploaded:
-                    uploaded.add(id(main))
+            if record.group.uploads_when_stepped_in_backward:      # (the thread uploaded it)
+                uploaded.update(id(main) for main in record.group.main_params)
         return uploaded
 
     def after_step(self) -> None:

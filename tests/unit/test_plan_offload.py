@@ -218,12 +218,20 @@ def test_phases_equal_our_bytes_at_those_moments(world_size):
                                                     planned.phases["step"], planned.peak_bytes)
 
 
+def _largest_non_root_main_shard(rank, world_size) -> int:
+    torch.manual_seed(0)
+    model = fully_shard(UnevenNet(), sharding_strategy="optim_grads_params", unit_modules=[Block],
+                        mixed_precision=POLICY, offload=OffloadPolicy(fraction=1.0, step_in_backward=True))
+    engine = model._fsdp_engine
+    return max(g.main_shard.numel() * g.main_shard.element_size() for u in engine.units if not u.is_root
+               for g in u.groups if g.offloaded is not None)
+
+
 def test_uploads_during_backward_add_one_groups_main_dtype_copy_to_backward():
     """``OffloadPolicy(step_in_backward=True)``: ZeRO-3 uploads each non-root group the host thread
     stepped during backward, one at a time, casting on the device from a main-dtype (fp32) copy of
     the group's shard: backward holds the largest such copy (offload_steps.py). Not with
     ``release_after_gather`` (uploads after the step) nor for ZeRO-1 (refresh after the step)."""
-    from megatron_fsdp_v2.plan.groups import planned_units
     with torch.device("meta"):
         model = UnevenNet()
     kwargs = dict(world_size=2, unit_modules=[Block], mixed_precision=POLICY, optimizer="adamw", device="cpu")
@@ -232,8 +240,8 @@ def test_uploads_during_backward_add_one_groups_main_dtype_copy_to_backward():
         return plan(model, strategy, offload=OffloadPolicy(fraction=1.0, **policy), **kwargs).candidates[0].phases[
             "last_unit_backward"]
 
-    units = planned_units(model, [Block], POLICY, 2, 1)
-    largest = max(g.layout.shard_numel * 4 for u in units if not u.is_root for g in u.groups)
+    # the engine's own: the largest fp32 main shard of an offloaded non-root group
+    largest = run_distributed(_largest_non_root_main_shard, 2)[0]
     assert largest > 0
     assert backward_bytes("optim_grads_params", step_in_backward=True) - backward_bytes("optim_grads_params") \
         == largest

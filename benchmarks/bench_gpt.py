@@ -317,6 +317,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--offload-step-threads", type=int, default=0,
                    help="with step in backward: OffloadPolicy(step_threads=N), the CPU step's threads "
                    "(default 0 = torch's)")
+    g.add_argument("--offload-switch-interval", type=float, default=0.0,
+                   help="with step in backward: the GIL switch interval (s) while groups step on the thread "
+                   "(offload_steps.STEP_SWITCH_INTERVAL_S; 0.005 = Python's, i.e. not lowered; default 0 = the "
+                   "library's)")
     g.add_argument("--cpu-threads", type=int, default=0,
                    help="torch.set_num_threads(N) before any system (the CPU optimizer steps; default 0 = torch's)")
     g.add_argument("--steps", type=int, default=None, help="timed steps (default 20)")
@@ -352,6 +356,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--offload-fractions must be numbers in [0, 1], got {args.offload_fractions}")
     if not 0 <= args.offload_search <= 1:
         p.error(f"--offload-search must be a grid step in (0, 1] (or 0: off), got {args.offload_search}")
+    if args.offload_switch_interval < 0:
+        p.error(f"--offload-switch-interval must be >= 0 seconds, got {args.offload_switch_interval}")
+    if args.offload_switch_interval:
+        from megatron_fsdp_v2 import offload_steps
+        offload_steps.STEP_SWITCH_INTERVAL_S = args.offload_switch_interval
     OFFLOAD_OPTIONS.update(step_in_backward=bool(args.offload_step_in_backward), search_step=args.offload_search,
                            step_threads=args.offload_step_threads or None,
                            release_after_gather=bool(args.offload_release_after_gather))

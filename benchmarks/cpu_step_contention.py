@@ -1,27 +1,37 @@
 #!/usr/bin/env python3
 """How fast torch's fused CPU AdamW steps one offloaded group, alone and beside what runs with it
 during an offloaded backward (offload_steps.py steps groups on a host thread while gradient
-copies come down and weight copies go up through the same host memory).
+copies come down, weight copies go up and autograd's thread launches the device's kernels).
 
-    python3 benchmarks/cpu_step_contention.py [--numel 50000000] [--repeats 5]
+    python3 benchmarks/cpu_step_contention.py [--numel 50000000] [--repeats 5] [--threads 16,14,12,8]
+                                              [--switch-interval SECONDS]
 
 Prints the median milliseconds of one ``AdamW(fused=True).step()`` over ``--numel`` fp32 host
-parameters (pinned, as offloaded main weights are) for each case:
+parameters (pinned, as offloaded main weights are), for each intra-op thread count of the
+stepping thread (``torch.set_num_threads`` there) and each case:
 
 * ``main thread``: alone, as ``optimizer.step()`` runs it after backward;
-* ``side thread``: the same step on a second Python thread, the main thread idle (threading and
-  OpenMP teams alone);
-* ``side thread + python``: while the main thread runs a pure-Python loop (GIL hand-offs against
-  a busy Python thread, as the backward's hooks are);
-* ``side thread + copies``: while the main thread streams pinned device-to-host and host-to-device
-  copies of the same size back to back (host memory bandwidth shared with the copy engines).
-On a CPU-only machine the copies case is skipped.
+* ``side thread``: the same step on a second Python thread, the main thread idle;
+* ``+ python``: while the main thread runs a pure-Python loop (GIL hand-offs against a busy
+  Python thread, as the backward's hooks are);
+* ``+ launches``: while the main thread launches small device kernels back to back, as
+  autograd's device thread does through backward (a core kept busy outside the OpenMP team);
+* ``+ copies``: while pinned device-to-host and host-to-device copies of the same size stream
+  back to back on two side streams (host memory bandwidth shared with the copy engines);
+* ``+ launches + copies``: both, what an offloaded backward does.
+``--switch-interval`` sets Python's GIL switch interval for the whole run (``sys.setswitchinterval``;
+5 ms by default), as offload_steps.py does while groups step during backward ([Note: the
+stepping thread and the GIL]). Each row also gives the ratio to ``main thread`` at the default thread count. On a CPU-only
+machine the device cases are skipped. The result decides ``OffloadPolicy(step_threads=...)``'s
+default (docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import threading
 import time
 
@@ -36,7 +46,8 @@ def _adamw(numel: int, pin: bool):
     return opt
 
 
-def _timed(opt, repeats: int) -> float:
+def _timed(opt, repeats: int, threads: int) -> float:
+    torch.set_num_threads(threads)
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -45,13 +56,18 @@ def _timed(opt, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _on_thread(opt, repeats: int, busy=None) -> float:
+def _on_thread(opt, repeats: int, threads: int, busy=()) -> float:
     out, stop = {}, threading.Event()
-    worker = threading.Thread(target=lambda: (out.setdefault("ms", _timed(opt, repeats)), stop.set()))
+    worker = threading.Thread(target=lambda: (out.setdefault("ms", _timed(opt, repeats, threads)), stop.set()))
+    helpers = [threading.Thread(target=b, args=(stop,)) for b in busy[1:]]
     worker.start()
-    if busy is not None:
-        busy(stop)
+    for h in helpers:
+        h.start()
+    if busy:
+        busy[0](stop)
     worker.join()
+    for h in helpers:
+        h.join()
     return out["ms"]
 
 
@@ -61,10 +77,22 @@ def _python_loop(stop: threading.Event) -> None:
         x += 1
 
 
+def _launches():
+    a = torch.ones(1 << 16, device="cuda")
+
+    def run(stop: threading.Event) -> None:
+        while not stop.is_set():
+            for _ in range(64):
+                a.mul_(1.0)
+            torch.cuda.current_stream().synchronize()
+    return run
+
+
 def _copies(numel: int):
-    device = torch.device("cuda")
     host = torch.empty(numel, pin_memory=True)
-    dev = torch.empty(numel, device=device)
+    host_up = torch.empty(numel, pin_memory=True)
+    dev = torch.empty(numel, device="cuda")
+    dev_up = torch.empty(numel, device="cuda")
     down, up = torch.cuda.Stream(), torch.cuda.Stream()
 
     def run(stop: threading.Event) -> None:
@@ -72,8 +100,9 @@ def _copies(numel: int):
             with torch.cuda.stream(down):
                 host.copy_(dev, non_blocking=True)
             with torch.cuda.stream(up):
-                dev.copy_(host, non_blocking=True)
-            torch.cuda.synchronize()
+                dev_up.copy_(host_up, non_blocking=True)
+            down.synchronize()
+            up.synchronize()
     return run
 
 
@@ -81,18 +110,36 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--numel", type=int, default=50_000_000, help="parameters of the group (default 50M)")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--threads", default="", help="comma list of intra-op thread counts (default: torch's, "
+                   "then cores - 1, cores - 2, cores / 2)")
+    p.add_argument("--switch-interval", type=float, default=0.0, help="sys.setswitchinterval(S) first (0: leave "
+                   "Python's, 5 ms)")
     args = p.parse_args()
+    if args.switch_interval > 0:
+        sys.setswitchinterval(args.switch_interval)
+    default = torch.get_num_threads()
+    counts = [int(t) for t in args.threads.split(",") if t.strip()] or \
+        sorted({default, max(1, default - 1), max(1, default - 2), max(1, default // 2)}, reverse=True)
     cuda = torch.cuda.is_available()
     opt = _adamw(args.numel, pin=cuda)
-    rows = {"main thread": _timed(opt, args.repeats),
-            "side thread": _on_thread(opt, args.repeats),
-            "side thread + python": _on_thread(opt, args.repeats, _python_loop)}
+    cases = {"main thread": None, "side thread": (), "+ python": (_python_loop,)}
     if cuda:
-        rows["side thread + copies"] = _on_thread(opt, args.repeats, _copies(args.numel))
+        launches, copies = _launches(), _copies(args.numel)
+        cases.update({"+ launches": (launches,), "+ copies": (copies,), "+ launches + copies": (launches, copies)})
     print(f"fused AdamW step of {args.numel:,} fp32 host parameters, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} intra-op threads:")
-    for name, ms in rows.items():
-        print(f"  {name:24s} {ms:8.1f} ms  ({ms / rows['main thread']:.2f}x)")
+          f"os.cpu_count() {os.cpu_count()}, torch's default intra-op threads {default}, "
+          f"OMP_WAIT_POLICY {os.environ.get('OMP_WAIT_POLICY', 'unset')}, switch interval "
+          f"{sys.getswitchinterval() * 1e3:g} ms:")
+    reference = None
+    print(f"  {'case':22s} " + " ".join(f"{f'{t} thr':>14s}" for t in counts))
+    for name, busy in cases.items():
+        cells = []
+        for threads in counts:
+            ms = _timed(opt, args.repeats, threads) if busy is None else _on_thread(opt, args.repeats, threads, busy)
+            reference = reference or ms
+            cells.append(f"{ms:7.1f} ({ms / reference:4.2f}x)")
+        print(f"  {name:22s} " + " ".join(cells), flush=True)
+    torch.set_num_threads(default)
     return 0
 
 

@@ -43,6 +43,40 @@ def _phase_times(built, steps: int = 3) -> dict:
     return out
 
 
+def _thread_timeline(built) -> None:
+    """One step of an offloaded system that steps groups during backward, as a timeline (ms from
+    the step's start, the device idle then): per group when the thread took it, when its gradients
+    had landed on the host, when its CPU step ended and when its upload was started; beside it
+    the host's phase ends and, from device events, when the device finished forward + backward
+    and the step."""
+    steps = next((s for obj in built.keep
+                  if (s := getattr(getattr(obj, "_fsdp_engine", None), "backward_steps", None)) is not None), None)
+    if steps is None:
+        return
+    steps.timeline = []
+    torch.cuda.synchronize()
+    start, after_bwd, after_step = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+    t0 = time.perf_counter()
+    start.record()
+    built.fwd_bwd()
+    t_bwd = time.perf_counter()
+    after_bwd.record()
+    built.opt_step()
+    t_step = time.perf_counter()
+    after_step.record()
+    built.zero_grad()
+    torch.cuda.synchronize()
+    t_end = time.perf_counter()
+    ms = lambda t: (t - t0) * 1e3          # noqa: E731
+    print(f"timeline (ms): host fwd+bwd returned {ms(t_bwd):.1f}, optimizer.step() returned {ms(t_step):.1f}, "
+          f"synchronized {ms(t_end):.1f}; device fwd+bwd done {start.elapsed_time(after_bwd):.1f}, "
+          f"step done {start.elapsed_time(after_step):.1f}")
+    print(f"  {'group':40s} {'taken':>8s} {'landed':>8s} {'stepped':>8s} {'upload':>8s}")
+    for name, began, landed, stepped, uploading in steps.timeline:
+        print(f"  {name[-40:]:40s} {ms(began):8.1f} {ms(landed):8.1f} {ms(stepped):8.1f} {ms(uploading):8.1f}")
+    steps.timeline = None
+
+
 def main() -> int:
     args = B.parse_args(sys.argv[1:] + ["--warmup", "3"])
     B.quiet_libraries(args.verbose)
@@ -74,6 +108,7 @@ def main() -> int:
             print(events.table(sort_by="self_cpu_time_total", row_limit=8, max_name_column_width=60))
             print(f"phases of {system.name} (ms, synchronized after each; median of 3): "
                   + ", ".join(f"{k} {v:.1f}" for k, v in _phase_times(built).items()), flush=True)
+            _thread_timeline(built)
             B.release_autograd_hooks(*built.keep)
             del built
             B.cleanup(ctx)

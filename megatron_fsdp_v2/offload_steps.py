@@ -45,11 +45,25 @@ backward ends), as do ZeRO-3 shards released after gathers (``release_after_gath
 during backward would hold them through it).
 ``check_for_nan_in_grad`` models do not hand groups over (the check reads every gradient before
 any step).
+
+[Note: the stepping thread and the GIL]
+The thread's CPU step is a handful of torch calls from Python (the optimizer's bookkeeping, the
+step counters, the fused kernel), each giving up the GIL while it runs and taking it back after.
+Meanwhile autograd's thread runs the backward's Python hooks. Python hands the GIL to a waiting
+thread only every ``sys.getswitchinterval()`` (5 ms by default), so each time the stepping thread
+comes back from a kernel it can wait up to 5 ms for the hooks' thread: measured on one H200 host
+(benchmarks/cpu_step_contention.py), a 50M-parameter fused AdamW step took 12 ms alone and 27-36 ms
+beside a busy Python thread, which is what a group took in a real backward (31 ms). So while
+groups are handed over (from the first hand-over to ``optimizer.step()``'s wait) the interpreter's
+switch interval is lowered to ``STEP_SWITCH_INTERVAL_S`` and then put back as it was (only if
+nothing else changed it meanwhile); with several models stepping at once it goes back when the
+last one waits.
 """
 
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 import time
 import weakref
@@ -60,6 +74,41 @@ import torch
 __all__ = ["BackwardSteps", "check_steppable", "install_backward_steps"]
 
 _STEPPABLE = ("Adam", "AdamW", "SGD")
+
+# [Note: the stepping thread and the GIL]: the longest wait for the GIL while groups step on the thread
+STEP_SWITCH_INTERVAL_S = 2e-4
+
+
+class _SwitchInterval:
+    """The interpreter's GIL switch interval, lowered while any model's groups step on a thread."""
+
+    _lock = threading.Lock()
+    _holders = 0
+    _saved: Optional[float] = None
+
+    @classmethod
+    def lower(cls) -> None:
+        with cls._lock:
+            if cls._holders == 0:
+                cls._saved = sys.getswitchinterval()
+                if STEP_SWITCH_INTERVAL_S < cls._saved:
+                    sys.setswitchinterval(STEP_SWITCH_INTERVAL_S)
+            cls._holders += 1
+
+    @classmethod
+    def restore_if(cls, lowered: list) -> None:
+        if lowered[0]:
+            lowered[0] = False
+            cls.restore()
+
+    @classmethod
+    def restore(cls) -> None:
+        with cls._lock:
+            cls._holders -= 1
+            if cls._holders == 0 and cls._saved is not None:
+                if abs(sys.getswitchinterval() - min(STEP_SWITCH_INTERVAL_S, cls._saved)) < 1e-6:
+                    sys.setswitchinterval(cls._saved)     # (left alone if someone else set it meanwhile)
+                cls._saved = None
 
 
 def check_steppable(optimizer, args, kwargs) -> None:
@@ -147,8 +196,13 @@ class BackwardSteps:
         self.groups_uploaded = 0               # of them, uploaded by the thread at once (ZeRO-3)
         self._last_upload = None               # OffloadedGroup of the thread's last upload
         # the thread's time: waiting for gradient copies, stepping (and starting uploads); benchmarks read it
-        self.seconds = {"waiting_for_grads": 0.0, "stepping": 0.0}
+        self.seconds = {"waiting_for_grads": 0.0, "stepping": 0.0, "waiting_for_upload": 0.0}
+        # when set to a list, the thread appends (group name, began, landed, stepped, upload started)
+        # perf_counter times per group: the timeline benchmarks/profile_step.py prints
+        self.timeline: Optional[list] = None
+        self._lowered = [False]                # the switch interval is lowered for this backward's hand-overs
         weakref.finalize(self, self._queue.put, None)    # ends the thread with this object
+        weakref.finalize(self, _SwitchInterval.restore_if, self._lowered)   # a model dropped mid-step
 
     @property
     def optimizer(self):
@@ -161,6 +215,9 @@ class BackwardSteps:
         if optimizer is None or group.offloaded is None or id(group) in self._handed \
                 or not all(id(m) in self._optimizer_ids for m in group.main_params):
             return False
+        if not self._handed:
+            _SwitchInterval.lower()
+            self._lowered[0] = True
         self._handed.add(id(group))
         if self._thread is None:
             self._thread = threading.Thread(target=_work, args=(self._queue, weakref.ref(self), self.link.device,
@@ -194,6 +251,7 @@ class BackwardSteps:
                 _step_subset(optimizer, list(group.main_params))
             self._stepped[id(group)] = record
             self.groups_stepped += 1
+            stepped = time.perf_counter()
             if group.uploads_when_stepped_in_backward:
                 # one upload in flight: its device copy in the main dtype is the only one backward holds
                 if self._last_upload is not None:
@@ -201,8 +259,12 @@ class BackwardSteps:
                 group.start_upload(after=handed_at)
                 self._last_upload = group.offloaded
                 self.groups_uploaded += 1
+            uploading = time.perf_counter()
             self.seconds["waiting_for_grads"] += landed - began
-            self.seconds["stepping"] += time.perf_counter() - landed
+            self.seconds["stepping"] += stepped - landed
+            self.seconds["waiting_for_upload"] += uploading - stepped
+            if self.timeline is not None:
+                self.timeline.append((group.name, began, landed, stepped, uploading))
         except BaseException as exc:   # noqa: BLE001 -- raised in the main thread at the next wait
             self._error = exc
 
@@ -211,6 +273,9 @@ class BackwardSteps:
         """Wait for every handed-over group; raise what the thread raised."""
         if self._thread is not None:
             self._queue.join()
+        if self._lowered[0]:
+            self._lowered[0] = False
+            _SwitchInterval.restore()
         self._handed.clear()
         error, self._error = self._error, None
         if error is not None:

@@ -182,3 +182,45 @@ def test_step_in_backward_must_be_a_bool():
 def test_step_threads_must_be_a_positive_int(bad):
     with pytest.raises(ValueError, match=r"OffloadPolicy\.step_threads must be None or a positive int, got"):
         OffloadPolicy(step_in_backward=True, step_threads=bad)
+
+
+def switch_interval_worker(rank, world_size):
+    """Python's GIL switch interval: lowered from the first hand-over to optimizer.step()'s wait,
+    then back ([Note: the stepping thread and the GIL]); left alone when someone else changed it;
+    back when a model is dropped between its backward and its step."""
+    import gc
+    import sys
+    import time
+    from megatron_fsdp_v2.offload_steps import STEP_SWITCH_INTERVAL_S
+    base = sys.getswitchinterval()
+    model = _wrap("optim_grads_params", 1.0, True)
+    opt = _optimizer(model, "adamw")
+    _train(model, opt, rank, steps=1)                  # the first step teaches the optimizer
+    seen = {"before backward": sys.getswitchinterval()}
+    _backward(model, rank, 1)
+    seen["between backward and step"] = sys.getswitchinterval()
+    opt.step()
+    seen["after step"] = sys.getswitchinterval()
+    opt.zero_grad()
+    _backward(model, rank, 2)
+    sys.setswitchinterval(0.001)                       # the user's own setting, made meanwhile
+    opt.step()
+    seen["user's setting kept"] = sys.getswitchinterval()
+    sys.setswitchinterval(base)
+    opt.zero_grad()
+    _backward(model, rank, 3)
+    del model, opt
+    for _ in range(100):                               # the thread may still hold the last group
+        gc.collect()
+        if sys.getswitchinterval() == base:
+            break
+        time.sleep(0.05)
+    seen["model dropped after backward"] = sys.getswitchinterval()
+    return base, STEP_SWITCH_INTERVAL_S, seen
+
+
+def test_switch_interval_lowered_only_while_groups_step_on_the_thread():
+    for base, lowered, seen in run_distributed(switch_interval_worker, 2):
+        assert lowered < base == 0.005, (lowered, base)
+        assert seen == {"before backward": base, "between backward and step": pytest.approx(lowered),
+                        "after step": base, "user's setting kept": 0.001, "model dropped after backward": base}, seen

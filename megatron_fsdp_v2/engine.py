@@ -351,7 +351,7 @@ class Engine:
             group.finish_grad_reduce(pending)
             steps = self.backward_steps
             if steps is not None and self.phase.is_(Phase.BACKWARD) and self.requires_gradient_sync \
-                    and not self.check_for_nan_in_grad and group not in self.units[0].groups:
+                    and not self.check_for_nan_in_grad:
                 steps.hand_over(group, self.unused_grads_are_none)   # its last gradients of this step landed
 
     def _post_backward_final(self) -> None:

@@ -87,7 +87,7 @@ class GroupOffload:
         backward, instead of after ``optimizer.step()`` (offload_steps.py)."""
         offloaded = self.offloaded
         return (offloaded is not None and self.strategy.weights_sharded and self.levels is None
-                and not offloaded.release_after_gather)
+                and not offloaded.release_after_gather and not offloaded.release_after_backward_gather)
 
     def after_backward_gather(self) -> None:
         """The root's gather at the start of backward read its compute shards: with

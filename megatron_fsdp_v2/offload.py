@@ -23,7 +23,7 @@ Per step, for an offloaded group:
   end of backward  the host waits for the copies (``flush``); ``.grad`` of the host main
                    parameters point at the host gradient.
   optimizer step   on the CPU for these parameters (the user's optimizer). Opted in with
-                   ``step_in_backward=True``, a non-root group steps on a host thread as soon
+                   ``step_in_backward=True``, each group steps on a host thread as soon
                    as its gradient landed, overlapped with the rest of backward, and (ZeRO-3)
                    that thread starts its upload at once (offload_steps.py, [Note: offloaded
                    steps during backward]).

@@ -4,7 +4,7 @@
 The CPU optimizer step of offloaded groups is the longest piece of an offloaded step, and without
 this it runs after backward, while the device idles. ZeRO-Offload's answer (DeepSpeed) is to step
 a group's host parameters as soon as its gradients land there. Here, opted in with
-``OffloadPolicy(step_in_backward=True)``, each offloaded group of a non-root unit whose reduce
+``OffloadPolicy(step_in_backward=True)``, each offloaded group whose reduce
 lands in a backward outside ``no_sync()`` is handed to one host thread, which waits for its
 gradient copy, points the main parameters' ``.grad`` at it and steps exactly those parameters
 with the user's own optimizer (its class's ``step`` below torch's step hooks, on a shallow view of
@@ -33,16 +33,18 @@ opting in, and what is checked at ``optimizer.step()`` (a clear error, never a s
 * no weight of a stepped group is gathered again in the same backward (a weight used after its
   gradients are complete): such a gather raises rather than read the new weights (ZeRO-3).
 
-Root-unit groups (embedding, output layer) are not handed over: they are gathered through backward
-and their gradients complete last, so nothing would overlap. ZeRO-3 keeps a compute-weight shard
+The root unit's groups are handed over too, when their reduce lands: at the end of backward
+(their gradients complete last: the thread, not the main thread, then steps and uploads them), or,
+with ``reduce_root_per_child=True``, a GPT's output layer at the start of backward (its gradients
+are complete first), so the thread has work from the start of backward. ZeRO-3 keeps a compute-weight shard
 per group that only gathers read, and a stepped group is not gathered again before the next
 forward (checked), so the thread starts its upload right after stepping it, behind the rest of
 backward (waiting on the device for an event recorded when the group was handed over, after its
 backward gather was queued); ``optimizer.step()`` then uploads only the rest. The other
 strategies' weights go back after ``optimizer.step()`` (ZeRO-1/2's refresh is a collective,
 issued in one order on every rank by the main thread; DDP's weights are the module's, read until
-backward ends), as do ZeRO-3 shards released after gathers (``release_after_gather``: an upload
-during backward would hold them through it).
+backward ends), as do ZeRO-3 shards released after gathers (``release_after_gather``, the root's
+released after its backward gather too: an upload during backward would hold them through it).
 ``check_for_nan_in_grad`` models do not hand groups over (the check reads every gradient before
 any step).
 
@@ -191,6 +193,8 @@ class BackwardSteps:
         self._stepped: dict = {}               # id(group) -> _Attached, stepped since the last optimizer.step()
         self._others: list = []                # _Attached of the groups left to optimizer.step()
         self._handed: set = set()              # ids of groups handed to the thread in this backward
+        self._attached: dict = {}              # id(group) -> _Attached: handed groups whose .grad are attached
+        self._attach_lock = threading.Lock()   # the thread and the end of backward attach handed groups
         self._error: Optional[BaseException] = None
         self.groups_stepped = 0                # how many group steps the thread ran (a count for tests)
         self.groups_uploaded = 0               # of them, uploaded by the thread at once (ZeRO-3)
@@ -229,23 +233,37 @@ class BackwardSteps:
         return True
 
     def attach(self, group, unused_grads_are_none: bool) -> None:
-        """End of backward: attach ``group``'s ``.grad`` unless the thread does (handed over); while
-        some group steps on the thread, note the others' so a change before the step is seen."""
-        if id(group) in self._handed or id(group) in self._stepped:
+        """End of backward: attach ``group``'s ``.grad``. A handed-over group's too, once its
+        gradients landed on the host (unless the thread was first), so that between backward and
+        ``optimizer.step()`` every ``.grad`` is there and final, whether the thread stepped its
+        group yet or not, and a change to it is seen at the step; while some group steps on the
+        thread, note the others' too."""
+        if id(group) in self._handed:
+            self._attach_handed(group, unused_grads_are_none)
             return
         group.attach_main_grads(none_if_unused=unused_grads_are_none)
         if self._handed:
             self._others.append(_Attached(group))
+
+    def _attach_handed(self, group, unused_grads_are_none: bool) -> "_Attached":
+        """Wait for a handed-over group's gradients to land and attach them, once per backward
+        (whichever of the thread and the end of backward comes first)."""
+        with self._attach_lock:
+            record = self._attached.get(id(group))
+            if record is None:
+                group.offloaded.flush()
+                group.attach_main_grads(none_if_unused=unused_grads_are_none)
+                record = self._attached[id(group)] = _Attached(group)
+            return record
 
     def _run(self, group, optimizer, unused_grads_are_none: bool, handed_at) -> None:
         if self._error is not None:
             return
         try:
             began = time.perf_counter()
-            group.offloaded.flush()
+            record = self._attach_handed(group, unused_grads_are_none)
             landed = time.perf_counter()
-            group.attach_main_grads(none_if_unused=unused_grads_are_none)
-            record = _Attached(group, _hyperparameters(optimizer))
+            record.hyper = _hyperparameters(optimizer)
             group.offloaded.stepped_early = True
             with torch.no_grad():
                 _step_subset(optimizer, list(group.main_params))
@@ -277,6 +295,7 @@ class BackwardSteps:
             self._lowered[0] = False
             _SwitchInterval.restore()
         self._handed.clear()
+        self._attached.clear()
         error, self._error = self._error, None
         if error is not None:
             raise RuntimeError("offload: stepping an offloaded group during backward failed") from error

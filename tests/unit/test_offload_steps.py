@@ -57,7 +57,7 @@ def parity_worker(rank, world_size):
                 _train(model, opt, rank)
                 engine = model._fsdp_engine
                 steps = engine.backward_steps
-                handed = sum(g.offloaded is not None for g in engine.groups if g not in engine.units[0].groups)
+                handed = sum(g.offloaded is not None for g in engine.groups)     # the root's too
                 out[(strategy, kind, fraction)] = (model.full_state_dict(), steps.groups_stepped if steps else 0,
                                                    handed)
                 if steps is not None:
@@ -67,14 +67,13 @@ def parity_worker(rank, world_size):
 
 
 def _uploaded_before_step(model, rank):
-    """After one more backward, before ``optimizer.step()``: per offloaded non-root group, whether
-    its device compute shard already holds the host's new main weights."""
+    """After one more backward, before ``optimizer.step()``: per offloaded group (the root's too),
+    whether its device compute shard already holds the host's new main weights."""
     engine = model._fsdp_engine
     _backward(model, rank, 3)
     engine.backward_steps.wait()
-    root = engine.units[0].groups
     return [torch.equal(g.offloaded.compute_shard, g.main_shard.to(g.offloaded.compute_shard.dtype))
-            for g in engine.groups if g.offloaded is not None and g not in root and g.offloaded.compute_shard is not None]
+            for g in engine.groups if g.offloaded is not None and g.offloaded.compute_shard is not None]
 
 
 def test_groups_stepped_during_backward_train_bitwise_alike():
@@ -85,13 +84,13 @@ def test_groups_stepped_during_backward_train_bitwise_alike():
                 for fraction in (0.5, 1.0):
                     got, stepped, handed = result[(strategy, kind, fraction)]
                     assert all(torch.equal(got[n], want[n]) for n in want), (strategy, kind, fraction)
-                    # steps 2 and 3 (the first teaches the optimizer), every offloaded non-root group
-                    assert 0 < handed <= 3 and stepped == 2 * handed, (strategy, kind, fraction, stepped)
-                assert result[(strategy, kind, 0.5)][2] < result[(strategy, kind, 1.0)][2] == 3
+                    # steps 2 and 3 (the first teaches the optimizer), every offloaded group, the root's too
+                    assert 0 < handed <= 4 and stepped == 2 * handed, (strategy, kind, fraction, stepped)
+                assert result[(strategy, kind, 0.5)][2] < result[(strategy, kind, 1.0)][2] == 4
                 # ZeRO-3: the thread uploads each group it stepped at once (ZeRO-1 refreshes after the step)
                 uploaded, fresh = result[(strategy, kind, 1.0, "uploaded")]
                 if strategy == "optim_grads_params":
-                    assert uploaded == result[(strategy, kind, 1.0)][1] + 3 and fresh == [True] * 3, (kind, uploaded)
+                    assert uploaded == result[(strategy, kind, 1.0)][1] + 4 and fresh == [True] * 4, (kind, uploaded)
                 else:
                     assert uploaded == 0 and fresh == [], (strategy, kind, uploaded, fresh)
 
@@ -107,8 +106,8 @@ def _error_of(action) -> str:
 def errors_worker(rank, world_size):
     out = {}
 
-    def trained(kind="adamw", dtensor_params=True):
-        model = _wrap("optim_grads_params", 1.0, True, dtensor_params)
+    def trained(kind="adamw", dtensor_params=True, fraction=1.0):
+        model = _wrap("optim_grads_params", fraction, True, dtensor_params)
         opt = _optimizer(model, kind)
         _train(model, opt, rank, steps=1)
         _backward(model, rank, 1)
@@ -120,9 +119,12 @@ def errors_worker(rank, world_size):
     model, opt = trained(dtensor_params=False)
     torch.nn.utils.clip_grad_norm_([p for p in model.parameters()], 1e-3)
     out["torch clip"] = _error_of(opt.step)
-    model, opt = trained()
-    next(iter(model.parameters())).grad.mul_(0.5)          # the output layer's (root: left to the step)
+    model, opt = trained(fraction=0.5)
+    next(iter(model.parameters())).grad.mul_(0.5)          # the root's, not offloaded: left to the step
     out["in place"] = _error_of(opt.step)
+    model, opt = trained()
+    next(iter(model.parameters())).grad.mul_(0.5)          # the root's, offloaded: stepped on the thread
+    out["in place, stepped"] = _error_of(opt.step)
     model, opt = trained()
     opt.param_groups[0]["lr"] = 0.5
     out["lr"] = _error_of(opt.step)
@@ -156,9 +158,12 @@ def errors():
     ("torch clip", "RuntimeError: offload: the gradients of group"),
     ("in place", "RuntimeError: offload: the gradients of group <root>/float32/grad changed after backward while "
                  "other groups had stepped during it"),
+    ("in place, stepped", "RuntimeError: offload: the gradients of group <root>/float32/grad changed after it "
+                          "stepped during backward (OffloadPolicy(step_in_backward=True)): clipping or scaling them "
+                          "needs step_in_backward=False."),
     ("lr", "RuntimeError: offload: the optimizer's hyperparameters changed between the step of the offloaded"),
     ("next micro-batch", "RuntimeError: offload: a forward after OffloadPolicy(step_in_backward=True) stepped groups "
-                         "['blocks.2/float32/grad', 'blocks.1/float32/grad', 'blocks.0/float32/grad'] with the last "
+                         "['blocks.2/float32/grad', 'blocks.1/float32/grad', 'blocks.0/float32/grad']... with the last "
                          "backward's gradients and before optimizer.step()"),
     ("zero_grad", "RuntimeError: offload: zero_grad after OffloadPolicy(step_in_backward=True) stepped groups"),
     ("foreach None", "ValueError: offload: OffloadPolicy(step_in_backward=True) needs AdamW's kernel chosen "
@@ -224,3 +229,24 @@ def test_switch_interval_lowered_only_while_groups_step_on_the_thread():
         assert lowered < base == 0.005, (lowered, base)
         assert seen == {"before backward": base, "between backward and step": pytest.approx(lowered),
                         "after step": base, "user's setting kept": 0.001, "model dropped after backward": base}, seen
+
+
+def grads_after_backward_worker(rank, world_size):
+    """Right after backward returns (the thread may still be stepping, the root's group last),
+    every ``.grad`` is attached and holds the reduced gradient, as without offload."""
+    out = {}
+    for fraction in (None, 1.0):
+        model = _wrap("optim_grads_params", fraction, fraction is not None)
+        opt = _optimizer(model, "adamw")
+        _train(model, opt, rank, steps=1)
+        _backward(model, rank, 1)
+        out[fraction] = [None if p.grad is None else p.grad.to_local().clone() for p in model.parameters()]
+        opt.step()
+    return out
+
+
+def test_grads_are_attached_and_final_when_backward_returns():
+    for result in run_distributed(grads_after_backward_worker, 2):
+        want, got = result[None], result[1.0]
+        assert len(got) == len(want) and all(g is not None for g in got), [g is None for g in got]
+        assert all(torch.equal(g, w) for g, w in zip(got, want)), [torch.equal(g, w) for g, w in zip(got, want)]

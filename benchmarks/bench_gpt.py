@@ -317,6 +317,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--offload-step-threads", type=int, default=0,
                    help="with step in backward: OffloadPolicy(step_threads=N), the CPU step's threads "
                    "(default 0 = torch's)")
+    g.add_argument("--offload-root-per-child", type=int, choices=(0, 1), default=0,
+                   help="ours-offload<f>: fully_shard(reduce_root_per_child=...): the output layer's group reduces "
+                   "(and, stepping in backward, steps on the thread) at the start of backward (default 0)")
     g.add_argument("--offload-switch-interval", type=float, default=0.0,
                    help="with step in backward: the GIL switch interval (s) while groups step on the thread "
                    "(offload_steps.STEP_SWITCH_INTERVAL_S; 0.005 = Python's, i.e. not lowered; default 0 = the "
@@ -363,7 +366,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         offload_steps.STEP_SWITCH_INTERVAL_S = args.offload_switch_interval
     OFFLOAD_OPTIONS.update(step_in_backward=bool(args.offload_step_in_backward), search_step=args.offload_search,
                            step_threads=args.offload_step_threads or None,
-                           release_after_gather=bool(args.offload_release_after_gather))
+                           release_after_gather=bool(args.offload_release_after_gather),
+                           root_per_child=bool(args.offload_root_per_child))
 
     small = dict(layers=2, hidden=256, heads=4, seq=256, micro_batch=2, vocab=4096, steps=20, warmup=3)
     full = dict(layers=16, hidden=2048, heads=16, seq=2048, micro_batch=4, vocab=32000, steps=20, warmup=3)

@@ -73,12 +73,13 @@ class System:
 
 def ours_offload(fraction: float, step_in_backward: bool = True) -> System:
     return System(f"ours-offload{fraction:g}", "ours", strategy="optim_grads_params", allocator="storage_freeing",
-                  offload=fraction, step_in_backward=step_in_backward)
+                  offload=fraction, step_in_backward=step_in_backward,
+                  reduce_root_per_child=OFFLOAD_OPTIONS["root_per_child"])
 
 
 # bench_gpt's --offload-step-in-backward and --offload-search (set before the systems are listed)
 OFFLOAD_OPTIONS: Dict[str, Any] = dict(step_in_backward=True, search_step=0.0, step_threads=None,
-                                       release_after_gather=False)
+                                       release_after_gather=False, root_per_child=False)
 
 
 def offload_systems(fractions=(1.0,)) -> List[System]:

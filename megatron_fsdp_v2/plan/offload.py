@@ -10,8 +10,10 @@ Per step and offloaded trainable group ([Note: offload by fraction]):
 * ``h2d_weights``: after the step, the stepped main shard (main dtype) goes back to the device once;
   when the compute dtype differs the cast runs on the device, from a main-dtype copy that lives
   until the copy has run (``upload_transients``: every group's at once, an upper bound, since
-  the uploads are issued together after the step). With ``step_in_backward`` ZeRO-3 uploads the
-  non-root groups during backward instead, one at a time (``backward_upload_transient``).
+  the uploads are issued together after the step). With ``step_in_backward`` ZeRO-3 uploads each
+  group from the stepping thread during backward instead, one at a time (``backward_upload_transient``):
+  the root's at the end of backward, once the activations are gone, or, with
+  ``reduce_root_per_child``, the output layer's at its start.
 """
 
 from __future__ import annotations
@@ -87,8 +89,10 @@ def upload_transients(groups: list[PlannedGroup], offloaded: frozenset, strategy
 def backward_upload_transient(groups: list[PlannedGroup], offloaded: frozenset, strategy: ShardingStrategy,
                               root_groups: int, uploads_in_backward: bool) -> int:
     """ZeRO-3 with ``OffloadPolicy(step_in_backward=True)`` (shards kept): the host thread uploads
-    each non-root group it stepped during backward, one copy in flight at a time, so backward holds
-    at most the largest such group's main-dtype copy (the first ``root_groups`` are the root's)."""
+    each group it stepped during backward, one copy in flight at a time, so backward holds at most
+    the largest such group's main-dtype copy. The first ``root_groups`` are left out: the root's,
+    uploaded at the end of backward, when the activations are gone (0 with
+    ``reduce_root_per_child``, whose output layer steps and uploads at the start of backward)."""
     if not (uploads_in_backward and strategy.weights_sharded):
         return 0
     return max((_transient(groups[i], strategy) for i in offloaded if i >= root_groups), default=0)

@@ -80,6 +80,7 @@ class _Job:
     activation_bytes: Optional[int]
     buffers: list
     uploads_in_backward: bool = False     # OffloadPolicy(step_in_backward=True), shards kept
+    root_uploads_early: bool = False      # with it, reduce_root_per_child: the output layer's group at backward's start
 
 
 def _candidate(units: list, strategy: ShardingStrategy, shape, world_size: int, fraction, job: _Job) -> StrategyPlan:
@@ -95,7 +96,7 @@ def _candidate(units: list, strategy: ShardingStrategy, shape, world_size: int, 
                                                    else 0 for g in groups]
     accumulation = sum(full_grads[i] for i in offloaded) if full_grads else 0
     temporaries["peak"] += accumulation          # offloaded DDP/ZeRO-1: the device buffer lands on the host
-    root_groups = sum(len(u.groups) for u in units if u.is_root)
+    root_groups = 0 if job.root_uploads_early else sum(len(u.groups) for u in units if u.is_root)
     phases = step_phases(units, strategy, inner, max(ranks, key=lambda r: r["total"]), k, job.persistent_grads,
                          upload_transients(groups, offloaded, strategy), accumulation,
                          backward_upload_transient(groups, offloaded, strategy, root_groups, job.uploads_in_backward))
@@ -118,7 +119,8 @@ def plan_candidates(module: nn.Module, strategies, world_size: int, hybrid_shape
         raise TypeError(f"persistent_grads must be True or False, got {persistent_grads!r}.")
     job = _Job(optimizer, micro_batches, persistent_grads, check_activation_bytes(activation_bytes),
                _buffer_bytes(module) if broadcast_buffers else [],
-               isinstance(offload, OffloadPolicy) and offload.step_in_backward and not offload.release_after_gather)
+               isinstance(offload, OffloadPolicy) and offload.step_in_backward and not offload.release_after_gather,
+               reduce_root_per_child)
     alignment = default_alignment(torch.device(device))
     out = []
     for shape in _shapes(world_size, hybrid_shape):

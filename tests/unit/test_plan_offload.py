@@ -218,13 +218,16 @@ def test_phases_equal_our_bytes_at_those_moments(world_size):
                                                     planned.phases["step"], planned.peak_bytes)
 
 
-def _largest_non_root_main_shard(rank, world_size) -> int:
+def _largest_non_root_main_shard(rank, world_size, out=5, per_child=False) -> tuple:
+    """The engine's largest fp32 main shard of an offloaded group: (non-root, any)."""
     torch.manual_seed(0)
-    model = fully_shard(UnevenNet(), sharding_strategy="optim_grads_params", unit_modules=[Block],
-                        mixed_precision=POLICY, offload=OffloadPolicy(fraction=1.0, step_in_backward=True))
+    model = fully_shard(UnevenNet(out=out), sharding_strategy="optim_grads_params", unit_modules=[Block],
+                        mixed_precision=POLICY, offload=OffloadPolicy(fraction=1.0, step_in_backward=True),
+                        reduce_root_per_child=per_child)
     engine = model._fsdp_engine
-    return max(g.main_shard.numel() * g.main_shard.element_size() for u in engine.units if not u.is_root
-               for g in u.groups if g.offloaded is not None)
+    sizes = [(u.is_root, g.main_shard.numel() * g.main_shard.element_size()) for u in engine.units
+             for g in u.groups if g.offloaded is not None]
+    return max(n for root, n in sizes if not root), max(n for _, n in sizes)
 
 
 def test_uploads_during_backward_add_one_groups_main_dtype_copy_to_backward():
@@ -241,10 +244,31 @@ def test_uploads_during_backward_add_one_groups_main_dtype_copy_to_backward():
             "last_unit_backward"]
 
     # the engine's own: the largest fp32 main shard of an offloaded non-root group
-    largest = run_distributed(_largest_non_root_main_shard, 2)[0]
+    largest = run_distributed(_largest_non_root_main_shard, 2)[0][0]
     assert largest > 0
     assert backward_bytes("optim_grads_params", step_in_backward=True) - backward_bytes("optim_grads_params") \
         == largest
     assert backward_bytes("optim_grads_params", step_in_backward=True, release_after_gather=True) \
         == backward_bytes("optim_grads_params", release_after_gather=True)
     assert backward_bytes("optim", step_in_backward=True) == backward_bytes("optim")
+
+
+def test_root_uploads_at_backward_start_count_with_reduce_root_per_child():
+    """With ``reduce_root_per_child`` the root's groups reduce, step and upload from the thread as
+    their gradients complete (a GPT's output layer at the start of backward), so backward's copy
+    is the largest over every offloaded group, the root's included; without it the root's come at
+    the end of backward, after the activations (a head of 13 x 200 here: the largest group)."""
+    with torch.device("meta"):
+        model = UnevenNet(out=200)
+    kwargs = dict(world_size=2, unit_modules=[Block], mixed_precision=POLICY, optimizer="adamw", device="cpu")
+
+    def added(per_child):
+        phases = [plan(model, "optim_grads_params", offload=OffloadPolicy(fraction=1.0, step_in_backward=sib),
+                       reduce_root_per_child=per_child, **kwargs).candidates[0].phases["last_unit_backward"]
+                  for sib in (True, False)]
+        return phases[0] - phases[1]
+
+    non_root, _ = run_distributed(_largest_non_root_main_shard, 2, 200)[0]
+    _, any_group = run_distributed(_largest_non_root_main_shard, 2, 200, True)[0]
+    assert any_group > non_root > 0
+    assert added(False) == non_root and added(True) == any_group

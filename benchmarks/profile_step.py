@@ -33,14 +33,18 @@ def _phase_times(built, steps: int = 3) -> dict:
             torch.cuda.synchronize()
             rows[name].append((time.perf_counter() - t0) * 1e3)
     out = {k: sorted(v)[len(v) // 2] for k, v in rows.items()}
-    for obj in built.keep:                 # ours with OffloadPolicy(step_in_backward=True): the thread's time
-        steps = getattr(getattr(obj, "_fsdp_engine", None), "backward_steps", None)
-        if steps is not None and steps.groups_stepped:
-            n = steps.groups_stepped
-            out.update({f"thread {k} per group": v * 1e3 / n for k, v in steps.seconds.items()})
-            out["groups uploaded by the thread / stepped"] = steps.groups_uploaded / n
-            break
+    steps = _backward_steps(built)         # ours with OffloadPolicy(step_in_backward=True): the thread's time
+    if steps is not None and steps.groups_stepped:
+        n = steps.groups_stepped
+        out.update({f"thread {k} per group": v * 1e3 / n for k, v in steps.seconds.items()})
+        out["groups uploaded by the thread / stepped"] = steps.groups_uploaded / n
     return out
+
+
+def _backward_steps(built):
+    """The engine's stepping thread (offload_steps.BackwardSteps) of a built system, if it has one."""
+    return next((s for obj in built.keep
+                 if (s := getattr(getattr(obj, "_fsdp_engine", None), "backward_steps", None)) is not None), None)
 
 
 def _thread_timeline(built) -> None:
@@ -49,8 +53,7 @@ def _thread_timeline(built) -> None:
     had landed on the host, when its CPU step ended and when its upload was started; beside it
     the host's phase ends and, from device events, when the device finished forward + backward
     and the step."""
-    steps = next((s for obj in built.keep
-                  if (s := getattr(getattr(obj, "_fsdp_engine", None), "backward_steps", None)) is not None), None)
+    steps = _backward_steps(built)
     if steps is None:
         return
     steps.timeline = []

@@ -165,9 +165,9 @@ class _Attached:
     """A group's ``.grad`` as backward (or the thread) left them: what ``optimizer.step()`` checks,
     and for a group stepped on the thread (``hyper``: the hyperparameters it used) puts back."""
 
-    def __init__(self, group, hyper: Optional[list] = None) -> None:
+    def __init__(self, group) -> None:
         self.group = group
-        self.hyper = hyper
+        self.hyper: Optional[list] = None      # set by the thread when it steps the group
         self.grads = [m.grad for m in group.main_params]
         self.versions = self._versions()
 

@@ -80,7 +80,7 @@ class _Job:
     activation_bytes: Optional[int]
     buffers: list
     uploads_in_backward: bool = False     # OffloadPolicy(step_in_backward=True), shards kept
-    root_uploads_early: bool = False      # with it, reduce_root_per_child: the output layer's group at backward's start
+    reduce_root_per_child: bool = False   # with uploads in backward: the output layer's group uploads at its start
 
 
 def _candidate(units: list, strategy: ShardingStrategy, shape, world_size: int, fraction, job: _Job) -> StrategyPlan:
@@ -96,7 +96,7 @@ def _candidate(units: list, strategy: ShardingStrategy, shape, world_size: int, 
                                                    else 0 for g in groups]
     accumulation = sum(full_grads[i] for i in offloaded) if full_grads else 0
     temporaries["peak"] += accumulation          # offloaded DDP/ZeRO-1: the device buffer lands on the host
-    root_groups = 0 if job.root_uploads_early else sum(len(u.groups) for u in units if u.is_root)
+    root_groups = 0 if job.reduce_root_per_child else sum(len(u.groups) for u in units if u.is_root)
     phases = step_phases(units, strategy, inner, max(ranks, key=lambda r: r["total"]), k, job.persistent_grads,
                          upload_transients(groups, offloaded, strategy), accumulation,
                          backward_upload_transient(groups, offloaded, strategy, root_groups, job.uploads_in_backward))

@@ -137,11 +137,17 @@ class Communicator:
         self.stats.record("all_gather", output)
         return all_gather_single(output, shard, group=self.group, async_op=async_op)
 
-    def reduce_scatter(self, shard_out: torch.Tensor, full: torch.Tensor, async_op: bool = False, label: str = ""):
-        """Sum ``full`` over ranks and leave this rank's equal slice of the sum in ``shard_out``."""
+    def reduce_scatter(self, shard_out: torch.Tensor, full: torch.Tensor, async_op: bool = False, label: str = "",
+                       splits: Optional[tuple] = None):
+        """Sum ``full`` over ranks and leave this rank's equal slice of the sum in ``shard_out``, or,
+        with ``splits`` (every rank's number of elements, in rank order, summing to ``full``'s), this
+        rank's slice of those sizes (torch's list ``reduce_scatter``: grouped reduces on NCCL)."""
         if self.check_sequence:
             self._check_same_collective("reduce_scatter", full, label)
         self.stats.record("reduce_scatter", full)
+        if splits is not None:
+            return dist.reduce_scatter(shard_out, list(full.split(list(splits))), op=dist.ReduceOp.SUM,
+                                       group=self.group, async_op=async_op)
         return reduce_scatter_single(shard_out, full, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
 
     def all_reduce(self, tensor: torch.Tensor, async_op: bool = False, label: str = "",

@@ -106,7 +106,8 @@ class GroupReduce:
                       and self.dtypes.grad == full.dtype and self.offloaded is None)
         shard_out = (self._ensure_grads() if into_shard else torch.empty(
             self.layout.shard_numel if pack is None else pack.chunk, dtype=full.dtype, device=self.device))
-        work = self.comm.reduce_scatter(shard_out, full, async_op=True, label=f"grads of {self.name}")
+        work = self.comm.reduce_scatter(shard_out, full, async_op=True, label=f"grads of {self.name}",
+                                        splits=None if pack is None else pack.splits)
 
         def on_complete():
             with torch.no_grad():

@@ -15,18 +15,17 @@ biases left: the weights' bytes). So such a group reduces a packed buffer of its
   calls, bitwise the same sums.
 * reduce-scatter (``optim``, ``optim_grads``, ``optim_grads_params``): rank ``r`` must receive the
   rows of the trainable parameters that *its* main shard holds, since its optimizer steps those rows
-  (the main weights and the optimizer state keep the wrap-time layout). Chunk ``r`` of the input is
-  therefore rank ``r``'s trainable pieces of the group's layout, back to back, each chunk
-  ``M = max_r T_r`` elements (``T_r``: trainable elements in rank ``r``'s shard; rounded up to the
-  alignment), so the collective covers ``dp * M`` elements and each rank unpacks its chunk into its
-  own gradient rows. A model frozen before wrapping reduce-scatters ``dp * S`` (``S``: the shard of
-  the trainable-only layout, ``>= ceil(sum T_r / dp)``). The two are equal when the trainable
-  elements are spread evenly over the wrap-time shards (``M == S``); otherwise ``dp * M`` is larger
-  (at most ``dp * sum T_r``: all trainable rows on one rank), and no single reduce-scatter can do
-  better, because its output is equal-sized per rank and rank ``r`` needs ``T_r`` elements of it.
-  Matching ``dp * S`` exactly would mean moving the main weights and the optimizer state to the
-  trainable-only layout at every freeze and unfreeze (or a second collective per step to move the
-  reduced rows to their owners): more bytes than it saves.
+  (the main weights and the optimizer state keep the wrap-time layout). Rank ``r``'s chunk of the
+  input is therefore its trainable pieces of the group's layout, back to back: ``T_r`` elements,
+  which differ between ranks, so the collective is torch's list ``reduce_scatter`` with uneven
+  chunks (NCCL runs it as grouped reduces, gloo natively). Its input is sized as the
+  trainable-only layout a model frozen before wrapping would have built (``build_layout`` of the
+  same shapes, same data-parallel size and alignment: ``dp * S`` elements, ``S`` its shard): the
+  ``dp * S - sum T_r`` elements that layout spends on padding are zeros at the end of the last
+  rank's chunk. So freezing before or after wrapping reduces the same bytes in the same number of
+  calls, whatever the wrap-time layout did with the trainable rows (a single equal-chunk
+  reduce-scatter would have to cover ``dp * max_r T_r``: all trainable rows on one rank made it
+  ``dp`` times the trainable bytes).
 
 Hybrid sharding's average across replicas all-reduces the same packed part of this rank's reduced
 gradients (``chunk`` elements). HFSDP (``outer_sharding_strategy``) keeps reducing the whole
@@ -62,7 +61,8 @@ class TrainablePack(NamedTuple):
     """The packed reduce of a group's trainable parameters (see the note above).
 
     ``numel``: the collective's input; ``chunk``: what this rank receives (the whole input for an
-    all-reduce). ``moves``: every trainable piece's place in the input. ``own``: ``(at, offset,
+    all-reduce); ``splits``: every rank's chunk of the input, in rank order (reduce-scatter; empty
+    for an all-reduce). ``moves``: every trainable piece's place in the input. ``own``: ``(at, offset,
     numel)`` triples, ``at`` in this rank's received chunk and ``offset`` in its reduced-gradient
     buffer laid out like ``main_shard`` (``ParamGroup.main_grad_buffer``)."""
 
@@ -70,6 +70,7 @@ class TrainablePack(NamedTuple):
     chunk: int
     moves: tuple
     own: tuple
+    splits: tuple = ()
 
     def pack_flat(self, packed: torch.Tensor, source: torch.Tensor, layout: FlatLayout) -> None:
         """``packed`` from ``source``, a buffer laid out by ``layout`` (DDP / ZeRO-1's full grads)."""
@@ -106,23 +107,23 @@ def trainable_pack(layout: FlatLayout, trainable: Sequence[bool], scatter: bool,
     if all(trainable) or not any(trainable):
         return None
     indices = [i for i, keep in enumerate(trainable) if keep]
+    sub = build_layout([layout.shapes[i] for i in indices], layout.dp_size, layout.alignment)
     if not scatter:
-        sub = build_layout([layout.shapes[i] for i in indices], layout.dp_size, layout.alignment)
         moves = tuple(Move(i, 0, layout.numels[i], sub.offsets[k]) for k, i in enumerate(indices))
         own = tuple((m.packed, layout.offsets[m.index], layout.numels[m.index]) for m in moves)
         return TrainablePack(sub.total_numel, sub.total_numel, moves, own)
-    per_rank = []
+    moves, own, splits, cursor = [], [], [], 0
     for r in range(layout.dp_size):
-        pieces = [(i, layout.shard_slice(i, r)) for i in indices]
-        per_rank.append([(i, piece) for i, piece in pieces if piece.numel])
-    most = max(1, max(sum(piece.numel for _, piece in pieces) for pieces in per_rank))
-    chunk = -(-most // layout.alignment) * layout.alignment
-    moves, own = [], []
-    for r, pieces in enumerate(per_rank):
         at = 0
-        for i, piece in pieces:
-            moves.append(Move(i, piece.param_start, piece.param_end, r * chunk + at))
+        for i in indices:
+            piece = layout.shard_slice(i, r)
+            if not piece.numel:
+                continue
+            moves.append(Move(i, piece.param_start, piece.param_end, cursor + at))
             if r == rank:
                 own.append((at, piece.shard_start, piece.numel))
             at += piece.numel
-    return TrainablePack(layout.dp_size * chunk, chunk, tuple(moves), tuple(own))
+        splits.append(at)
+        cursor += at
+    splits[-1] += sub.total_numel - cursor       # the trainable-only layout's padding ([Note] above)
+    return TrainablePack(sub.total_numel, splits[rank], tuple(moves), tuple(own), tuple(splits))

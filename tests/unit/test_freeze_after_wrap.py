@@ -1,9 +1,9 @@
 """Freezing after wrapping reduces only what requires grad ([Note: reducing what requires grad]).
 
 ``requires_grad_(False)`` on the weights of a wrapped model, biases left trainable: the next backward
-reduces what the same model frozen *before* wrapping reduces (no_shard: the same bytes and calls,
-always; the sharded strategies: the same when the trainable rows are spread evenly over the
-wrap-time shards, else ``dp * max_r T_r``, see trainable_pack.py), the weights after each step are
+reduces what the same model frozen *before* wrapping reduces (the same bytes and calls, every
+strategy, however the wrap-time layout spread the trainable rows over the ranks: an uneven
+reduce-scatter, see trainable_pack.py), the weights after each step are
 bitwise those of the model frozen before wrapping, frozen parameters keep ``.grad`` None, and
 unfreezing brings the whole reduction back, training as a torch reference does.
 """
@@ -150,8 +150,8 @@ def freeze_worker(rank, world_size, strategy, model_name):
 # form a group of 24, and each rank holds 12 of the 24 in the wrap-time layout, so the pack is
 # 2 x 12). The root (head.weight only) is wholly frozen: no reduce. "uneven" (UnevenNet, weights
 # frozen): the biases, LayerNorm biases and 0-d scales left trainable are spread unevenly over the
-# wrap-time shards, so a sharded pack covers 2 x max_r T_r = 872 B against the 680 B the model
-# frozen before wrapping reduce-scatters (the all-reduce matches it: 680 B).
+# wrap-time shards (an equal-chunk reduce-scatter would cover 2 x max_r T_r = 872 B); the uneven
+# reduce-scatter moves the 680 B the model frozen before wrapping moves, as the all-reduce does.
 def expected(strategy, model_name, frozen):
     per_microbatch = strategy in ("optim_grads", "optim_grads_params")
     kind = "all_reduce" if strategy == "no_shard" else "reduce_scatter"
@@ -159,7 +159,7 @@ def expected(strategy, model_name, frozen):
         calls, nbytes = (2, 192) if frozen else (3, 2 * 1120 + 4 * 48)
     else:
         calls = 4                       # the root group [proj | head | offset] keeps proj.bias, offset
-        nbytes = (680 if frozen and strategy == "no_shard" else 872) if frozen else 12992
+        nbytes = 680 if frozen else 12992
     rounds = K if per_microbatch else 1
     result = {"reduce_scatter": (0, 0), "all_reduce": (0, 0)}
     result[kind] = (calls * rounds, nbytes * rounds)
@@ -176,10 +176,7 @@ def test_freezing_after_wrap_reduces_what_requires_grad(strategy, model_name):
             before_bytes, before_none = out[("before", step)]
             after_bytes, after_none = out[("after", step)]
             assert after_bytes == expected(strategy, model_name, frozen=True), (rank, step, after_bytes)
-            if model_name == "even" or strategy == "no_shard":
-                assert after_bytes == before_bytes, (rank, step)       # as frozen before wrapping
-            else:
-                assert after_bytes["reduce_scatter"][1] > before_bytes["reduce_scatter"][1], (rank, step)
+            assert after_bytes == before_bytes, (rank, step)           # as frozen before wrapping
             assert after_none == before_none and all(is_weight(n) for n in after_none) and after_none
             assert out[("frozen_main_grads_none", step)]
         assert out["same_as_before"] == 0.0, rank
@@ -251,7 +248,8 @@ def test_hybrid_sharding_freezing_after_wrap_moves_the_bytes_of_freezing_before(
 
 def test_pack_layout():
     """The all-reduce pack is the trainable-only layout itself; the reduce-scatter pack gives chunk
-    r exactly rank r's trainable pieces, max_r T_r long."""
+    r exactly rank r's trainable pieces (T_r long, the last also the trainable-only layout's
+    padding), the input as long as that layout."""
     from megatron_fsdp_v2.trainable_pack import trainable_pack
 
     shapes = [(16, 8), (16,), (8, 16), (8,)]
@@ -262,9 +260,21 @@ def test_pack_layout():
     assert (ar.numel, [m.packed for m in ar.moves]) == (sub.total_numel, list(sub.offsets)) == (24, [0, 16])
     assert ar.own == ((0, 128, 16), (16, 272, 8))
     rs = [trainable_pack(layout, trainable, True, r) for r in range(2)]
-    assert rs[0].numel == 24 and rs[0].chunk == 12
+    assert rs[0].numel == 24 and rs[0].chunk == 12 and rs[0].splits == rs[1].splits == (12, 12)
     assert rs[0].moves == rs[1].moves
     assert [tuple(m) for m in rs[0].moves] == [(1, 0, 12, 0), (1, 12, 16, 12), (3, 0, 8, 16)]
     assert rs[0].own == ((0, 128, 12),) and rs[1].own == ((0, 0, 4), (4, 132, 8))
+    # uneven: rank 0 holds the first bias and two rows of (3, 4), rank 1 the rest; the biases
+    # left trainable are 7 elements on rank 0 and 3 on rank 1
+    layout = build_layout([(7,), (3, 4), (2, 4), (3,)], 2)
+    assert [[layout.shard_slice(i, r).numel for i in range(4)] for r in range(2)] == [[7, 8, 0, 0], [0, 4, 8, 3]]
+    rs = [trainable_pack(layout, (True, False, False, True), True, r) for r in range(2)]
+    assert build_layout([(7,), (3,)], 2).total_numel == rs[0].numel == 10
+    assert rs[0].splits == rs[1].splits == (7, 3) and [r.chunk for r in rs] == [7, 3]
+    assert rs[0].own == ((0, 0, 7),) and rs[1].own == ((0, 12, 3),)
+    # the trainable-only layout [7 | (2, 4)] pads to 2 x 8: the last chunk ends in its one zero
+    rs = [trainable_pack(layout, (True, False, True, False), True, r) for r in range(2)]
+    assert build_layout([(7,), (2, 4)], 2).total_numel == rs[0].numel == 16
+    assert rs[0].splits == (7, 9) and rs[1].chunk == 9
     assert trainable_pack(layout, (True,) * 4, True, 0) is None
     assert trainable_pack(layout, (False,) * 4, True, 0) is None

@@ -145,7 +145,7 @@ class Communicator:
         if self.check_sequence:
             self._check_same_collective("reduce_scatter", full, label)
         self.stats.record("reduce_scatter", full)
-        if splits is not None:
+        if splits is not None and len(set(splits)) > 1:   # equal splits: the flat call (no staging copy)
             return dist.reduce_scatter(shard_out, list(full.split(list(splits))), op=dist.ReduceOp.SUM,
                                        group=self.group, async_op=async_op)
         return reduce_scatter_single(shard_out, full, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)

@@ -186,6 +186,7 @@ class Engine:
         self.forward_order.record(unit)
         if self.strategy.weights_sharded:
             unit.unshard(async_op=False)
+            unit.wait_unshard()             # before the prefetch: one gather's temporaries in flight
             if not self.phase.is_(Phase.BACKWARD):
                 nxt = self.forward_order.neighbour(unit, +1)
                 if nxt is not None and not nxt.is_root and nxt.worth_prefetching:
@@ -256,6 +257,7 @@ class Engine:
                     root_group.after_backward_gather()
         else:
             group.unshard(async_op=False)
+        unit.wait_unshard()                 # before the prefetch: one gather's temporaries in flight
         if first_trigger:
             prev = self.forward_order.neighbour(unit, -1)
             if prev is not None and not prev.is_root and prev.worth_prefetching:

@@ -8,6 +8,8 @@ from typing import Optional
 
 import torch
 
+from .shard_order import natural_from_gathered, own_from_natural
+
 __all__ = ["GroupExport"]
 
 
@@ -33,7 +35,7 @@ class GroupExport:
             return main.to(self.device, copy=True)
         full = torch.empty(self.layout.total_numel, dtype=self.main_shard.dtype, device=self.device)
         self.comm.all_gather(full, main.to(self.device), label=f"main weights of {self.name}")
-        return full
+        return self._natural(full)
 
     def gather_full_grad(self) -> Optional[torch.Tensor]:
         """The whole reduced-gradient buffer on every rank (None for a frozen group)."""
@@ -49,7 +51,19 @@ class GroupExport:
             return buffer.detach().clone()
         full = torch.empty(self.layout.total_numel, dtype=buffer.dtype, device=self.device)
         self.comm.all_gather(full, buffer.detach().contiguous(), label=f"main grads of {self.name}")
-        return full
+        return self._natural(full)
+
+    def _natural(self, gathered: torch.Tensor) -> torch.Tensor:
+        """A gathered buffer in natural order (per-parameter shards gather rank-major: shard_order.py)."""
+        if not self.layout.per_parameter:
+            return gathered
+        natural = torch.empty_like(gathered)
+        natural_from_gathered(gathered, self.layout, natural)
+        return natural
+
+    def own_shard_of(self, full_main: torch.Tensor) -> torch.Tensor:
+        """This rank's shard (laid out like ``main_shard``) of a natural whole buffer."""
+        return own_from_natural(full_main, self.layout, self.comm.rank)
 
     def full_param(self, full_main: torch.Tensor, index: int) -> torch.Tensor:
         start, end = self.layout.param_range(index)

@@ -37,6 +37,30 @@ large rows are 4096 and 16384, so padding <= 7 * 16384 + 8 * 16384 + 8 = 0.12% o
 
 0-d parameters count as one row of one element; 1-d parameters as rows of one element, so any
 boundary falls on a row edge and they are never moved.
+
+[Note: per-parameter shards]
+Row-snapped shards can give a rank a whole parameter (dp 2, a block [attention | w1 | w2]: the one
+boundary cuts w1, so one rank holds all of w2). Between steps that costs nothing, but an optimizer
+that steps one parameter at a time makes temporaries the size of the largest piece a rank holds:
+``Adam(foreach=False)`` makes two (``exp_avg_sq.sqrt()`` and its division), 2 x w2 on that rank
+where FSDP2, which gives every rank ``ceil(rows / dp)`` rows of every parameter, makes 2 x w2 / 2.
+ZeRO-3 (``build_layout(..., per_parameter=True)``) therefore shards every parameter over every rank
+as FSDP2 does: parameter ``i`` is cut into ``dp`` pieces of ``piece_rows[i]`` rows (``ceil(rows /
+dp)``, rounded up so a piece is a whole number of alignment units; the last pieces may be short or
+empty, torch.chunk's split), and rank ``r``'s shard is its piece of every parameter, back to back,
+each padded to ``piece_rows[i] * row`` elements::
+
+    gathered (rank-major), dp 2:   | a0 b0 c0 | a1 b1 c1 |        a: rows of a split in two, ...
+    unsharded (natural):           | a0 a1 | b0 b1 | c0 c1 |      parameter views, contiguous
+
+A gathered buffer is therefore in rank-major order and the parameters read a second, natural one:
+ZeRO-3 all-gathers into a temporary and copies out (shard_order.py; one
+``torch.split_with_sizes_copy``, as FSDP2), and writes gradients rank-major straight into its
+reduce-scatter input, which it copies them into anyway. ZeRO-1/2 keep row-snapped shards: their
+replicated weights and gradients are persistent natural buffers that their collectives read and
+write in place, which per-parameter shards would turn into two more full-size copies a step.
+Parameter ``i``'s natural range starts at ``dp * start_i`` (``start_i``: where its piece begins in
+every shard), so the copy between the two orders is one strided copy per parameter.
 """
 
 from __future__ import annotations
@@ -83,6 +107,21 @@ class FlatLayout:
     dp_size: int
     data_numel: int     # end of the last parameter
     total_numel: int    # dp_size * shard_numel
+    piece_rows: tuple[int, ...] = ()   # per-parameter shards: rows of each parameter per rank ([Note])
+
+    @property
+    def per_parameter(self) -> bool:
+        """Whether every parameter is cut over every rank ([Note: per-parameter shards]): then a
+        gathered buffer is rank-major and the parameters' natural buffer differs from it."""
+        return bool(self.piece_rows)
+
+    def piece_numel(self, index: int) -> int:
+        """Per-parameter shards: the elements every rank's piece of parameter ``index`` takes."""
+        return self.piece_rows[index] * self.row_numel(index)
+
+    def piece_start(self, index: int) -> int:
+        """Per-parameter shards: where parameter ``index``'s piece begins in every rank's shard."""
+        return self.offsets[index] // self.dp_size
 
     @property
     def shard_numel(self) -> int:
@@ -108,6 +147,11 @@ class FlatLayout:
 
     def shard_slice(self, index: int, rank: int) -> ShardSlice:
         """The piece of parameter ``index`` that ``rank`` owns (possibly empty): whole rows."""
+        if self.per_parameter:
+            splits, row = self.row_splits(index), self.row_numel(index)
+            if splits[rank] == splits[rank + 1] or row == 0:
+                return ShardSlice(0, 0, 0)
+            return ShardSlice(splits[rank] * row, splits[rank + 1] * row, self.piece_start(index))
         p_start, p_end = self.param_range(index)
         s_start, s_end = self.shard_range(rank)
         lo, hi = max(p_start, s_start), min(p_end, s_end)
@@ -118,6 +162,9 @@ class FlatLayout:
     def row_splits(self, index: int) -> tuple[int, ...]:
         """``dp_size + 1`` row indices: rank ``r`` owns rows ``[splits[r], splits[r + 1])`` of
         parameter ``index`` (0-d parameters: one row)."""
+        if self.per_parameter:
+            rows = self.shapes[index][0] if self.shapes[index] else 1
+            return tuple(min(rank * self.piece_rows[index], rows) for rank in range(self.dp_size + 1))
         row = self.row_numel(index)
         start, end = self.param_range(index)
         if row == 0:             # no elements: all its (empty) rows on the rank where it starts
@@ -157,9 +204,11 @@ def _pack(shapes, numels, shard: int, alignment: int) -> tuple[list[int], int]:
     return offsets, cursor
 
 
-def build_layout(shapes: Sequence[Sequence[int]], dp_size: int, alignment: int = 1) -> FlatLayout:
+def build_layout(shapes: Sequence[Sequence[int]], dp_size: int, alignment: int = 1,
+                 per_parameter: bool = False) -> FlatLayout:
     """Pack parameters of the given shapes into one buffer split over ``dp_size`` row-snapped
-    shards ([Note: row-snapped shards])."""
+    shards ([Note: row-snapped shards]), or, ``per_parameter`` (and ``dp_size > 1``), cut every
+    parameter over every rank ([Note: per-parameter shards])."""
     if dp_size < 1:
         raise ValueError(f"dp_size must be positive, got {dp_size}.")
     if alignment < 1:
@@ -169,6 +218,8 @@ def build_layout(shapes: Sequence[Sequence[int]], dp_size: int, alignment: int =
         if any(d < 0 for d in shape):
             raise ValueError(f"parameter shapes must have sizes >= 0, got {shape}.")
     numels = tuple(math.prod(s) for s in shapes)
+    if per_parameter and dp_size > 1:
+        return _per_parameter_layout(shapes, numels, dp_size, alignment)
     multiple = alignment          # aligned boundaries keep aligned parameters aligned after rule 1
     shard = max(1, -(-sum(numels) // dp_size))
     while True:
@@ -186,6 +237,25 @@ def build_layout(shapes: Sequence[Sequence[int]], dp_size: int, alignment: int =
             break
         shard += -(-(end - dp_size * shard) // dp_size)
     return FlatLayout(shapes, numels, tuple(offsets), alignment, dp_size, end, dp_size * shard)
+
+
+def _per_parameter_layout(shapes, numels, dp_size: int, alignment: int) -> FlatLayout:
+    """[Note: per-parameter shards]: ``dp`` pieces of every parameter, each a whole number of
+    alignment units; parameter ``i`` at ``dp * start_i`` in the natural buffer."""
+    piece_rows, offsets, start = [], [], 0
+    for shape, numel in zip(shapes, numels):
+        row = row_numel(shape)
+        rows = shape[0] if shape else 1
+        per_rank = -(-rows // dp_size) if numel else 0
+        if per_rank:
+            per_rank = _round_up(per_rank, alignment // math.gcd(alignment, row))
+        piece_rows.append(per_rank)
+        offsets.append(dp_size * start)
+        start += per_rank * row
+    shard = max(start, alignment)            # an all-gather of nothing still needs a shard
+    data_end = max((o + n for o, n in zip(offsets, numels)), default=0)
+    return FlatLayout(shapes, numels, tuple(offsets), alignment, dp_size, data_end, dp_size * shard,
+                      tuple(piece_rows))
 
 
 def _pack_unsplit(numels, alignment: int) -> tuple[list[int], int]:

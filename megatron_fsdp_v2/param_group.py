@@ -33,6 +33,7 @@ from .group_reduce import GroupReduce
 from .unreduced_grads import UnreducedGrads
 from .layout import FlatLayout, build_layout
 from .row_sharded import row_sharded
+from .shard_order import natural_from_gathered, own_from_natural
 from .mixed_precision import GroupDtypes
 from .replicas import gather_blocks
 from .strategy import ShardingStrategy
@@ -72,7 +73,9 @@ class ParamGroup(GroupExport, GroupOffload, GroupReduce):
         self.levels = levels
         self.inner_weights: Optional[torch.Tensor] = None     # HFSDP ZeRO-3: this rank's inner shard
         self._inner_grad: Optional[torch.Tensor] = None       # HFSDP: inner-reduced grads awaiting the outer reduce
-        self.layout: FlatLayout = build_layout([tuple(p.shape) for p in self.params], comm.size, alignment)
+        # HFSDP gathers and reduces block by block over two levels of row-snapped shards
+        self.layout: FlatLayout = build_layout([tuple(p.shape) for p in self.params], comm.size, alignment,
+                                               per_parameter=strategy.shards_each_parameter and levels is None)
         # Sharded main weights face the optimizer as RowShardedTensors on this mesh (None: as plain
         # tensors holding this rank's rows, what Megatron's optimizer expects).
         self.mesh = mesh if strategy.optim_sharded else None
@@ -81,6 +84,7 @@ class ParamGroup(GroupExport, GroupOffload, GroupReduce):
             self.layout.shard_range(rank) if strategy.optim_sharded else (0, self.layout.total_numel)
         )
         self._weights_key = (name, "model_weights")
+        self._gathered_key = (name, "gathered_weights")    # per-parameter shards: the rank-major gather
         self._comm_key = (name, "comm_grad")
         # The one owner of each kind of weight collective in flight: ZeRO-3's gather into a
         # temporary buffer, or ZeRO-1/2's refresh of the persistent replicated weights. (Gradient
@@ -126,7 +130,8 @@ class ParamGroup(GroupExport, GroupOffload, GroupReduce):
             for index, param in enumerate(self.params):
                 start, end = self.layout.param_range(index)
                 initial[start:end].copy_(param.detach().reshape(-1))
-            self.main_shard = initial[self.shard_start:self.shard_end].clone() if self.strategy.optim_sharded else initial
+            self.main_shard = (own_from_natural(initial, self.layout, self.comm.rank) if self.strategy.optim_sharded
+                               else initial)
         del initial
         self.compute_weights_are_main_weights = not self.strategy.optim_sharded and dt.compute == dt.main
         if offload is not None:          # main shard to the host (group_offload.py)
@@ -303,8 +308,24 @@ class ParamGroup(GroupExport, GroupOffload, GroupReduce):
         full = self.allocator.allocate(self._weights_key, self.layout.total_numel, self.dtypes.compute, self.device)
         self.model_weights = full
         self._point_params_at(full)
-        self._pending_unshard = self._gather_into(full, async_op)
+        self._pending_unshard = (self._gather_rank_major(full, async_op) if self.layout.per_parameter
+                                 else self._gather_into(full, async_op))
         self.is_unsharded = True
+
+    def _gather_rank_major(self, natural: torch.Tensor, async_op: bool) -> PendingCollective:
+        """Per-parameter shards: all-gather into a rank-major temporary, then copy it out into the
+        natural buffer the parameters view and free it (shard_order.py)."""
+        gathered = self.allocator.allocate(self._gathered_key, self.layout.total_numel, self.dtypes.compute,
+                                           self.device)
+        pending = self._gather_own_slot(self.comm, gathered, async_op, f"weights of {self.name}")
+
+        def copy_out():
+            natural_from_gathered(gathered, self.layout, natural)
+            self.allocator.free(self._gathered_key)
+        if not async_op:
+            copy_out()
+            return pending
+        return PendingCollective(pending.work, copy_out)
 
     def wait_unshard(self) -> None:
         pending, self._pending_unshard = self._pending_unshard, None

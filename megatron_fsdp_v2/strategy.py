@@ -32,6 +32,10 @@ class ShardingStrategy:
             all-gathered again before the next use (ZeRO-3).
         reduce_every_microbatch: gradients are reduced after every backward, also inside
             ``no_sync()``; otherwise they accumulate locally until the last micro-batch.
+        shards_each_parameter: every rank holds rows of every parameter, as FSDP2 (layout.py,
+            [Note: per-parameter shards]), rather than row-snapped pieces of one flat buffer: ZeRO-3,
+            whose gathers fill a temporary anyway, so an optimizer stepping one parameter at a time
+            never makes temporaries larger than FSDP2's.
     """
 
     name: str
@@ -39,6 +43,7 @@ class ShardingStrategy:
     grads_sharded: bool
     weights_sharded: bool
     reduce_every_microbatch: bool
+    shards_each_parameter: bool = False
 
     @property
     def grad_reduce_op(self) -> str:
@@ -56,7 +61,7 @@ STRATEGIES: dict[str, ShardingStrategy] = {
         ShardingStrategy("optim_grads", optim_sharded=True, grads_sharded=True, weights_sharded=False,
                          reduce_every_microbatch=True),
         ShardingStrategy("optim_grads_params", optim_sharded=True, grads_sharded=True, weights_sharded=True,
-                         reduce_every_microbatch=True),
+                         reduce_every_microbatch=True, shards_each_parameter=True),
     )
 }
 

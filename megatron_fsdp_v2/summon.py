@@ -79,7 +79,8 @@ def summon_full_params(module, recurse: bool = True, writeback: bool = True, ran
                 engine.param_slots.hold_main()
             if writeback:
                 for group, full_main in gathered:
-                    group.main_shard.copy_(full_main[group.shard_start:group.shard_end])
+                    group.main_shard.copy_(group.own_shard_of(full_main) if group.strategy.optim_sharded
+                                           else full_main)
                 engine.mark_main_weights_changed()
                 engine.refresh_weights(wait=True)
 

@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 
 from .layout import FlatLayout
+from .shard_order import write_rank_major
 
 __all__ = ["UnreducedGrads"]
 
@@ -51,7 +52,12 @@ class UnreducedGrads:
     def write_into(self, flat: torch.Tensor, layout: FlatLayout) -> None:
         """Fill ``flat`` (laid out by ``layout``, any dtype): each parameter's gradient in its range,
         zeros where none arrived and in the padding; then let the gradients go, one by one, so the
-        copy never needs more than ``flat`` plus what is still unwritten."""
+        copy never needs more than ``flat`` plus what is still unwritten. Per-parameter shards
+        (layout.py): each gradient goes to its pieces of the rank-major buffer the reduce-scatter
+        reads, so it needs no reordering copy of its own."""
+        if layout.per_parameter:
+            self._write_rank_major(flat, layout)
+            return
         with torch.no_grad():
             cursor = 0
             for index in sorted(range(len(self._grads)), key=lambda i: layout.param_range(i)[0]):
@@ -67,6 +73,16 @@ class UnreducedGrads:
                 cursor = max(cursor, end)
             if cursor < flat.numel():
                 flat[cursor:].zero_()
+        self._held = 0
+
+    def _write_rank_major(self, flat: torch.Tensor, layout: FlatLayout) -> None:
+        widths = sum(layout.piece_numel(i) for i in range(len(self._grads)))
+        with torch.no_grad():
+            flat.view(layout.dp_size, layout.shard_numel)[:, widths:].zero_()   # the shard's end padding
+            for index in range(len(self._grads)):
+                grad, self._grads[index] = self._grads[index], None
+                write_rank_major(flat, layout, index, None if grad is None else grad.reshape(-1))
+                del grad
         self._held = 0
 
     def write_packed(self, flat: torch.Tensor, moves) -> None:

@@ -34,6 +34,11 @@ class PlannedGroup:
         return self.layout.total_numel * self.dtypes.compute.itemsize
 
     @property
+    def gathered_bytes(self) -> int:
+        """Per-parameter shards: the rank-major all-gather output, live until copied out (0 else)."""
+        return self.compute_bytes if self.layout.per_parameter else 0
+
+    @property
     def reduce_input_bytes(self) -> int:
         """The full-size buffer a gradient reduce reads, in the gradient-collective dtype."""
         return self.layout.total_numel * self.dtypes.grad_comm.itemsize
@@ -56,9 +61,10 @@ class PlannedUnit:
 
 def planned_units(module: nn.Module, unit_modules: Optional[Sequence[type]],
                   mixed_precision: Optional[MixedPrecisionPolicy], shard_size: int, alignment: int,
-                  reduce_root_per_child: bool = False) -> list[PlannedUnit]:
+                  reduce_root_per_child: bool = False, per_parameter: bool = False) -> list[PlannedUnit]:
     """The units and groups ``fully_shard`` builds for ``module`` over ``shard_size`` ranks (root
-    first, then module order: the order a forward that runs the units in module order takes)."""
+    first, then module order: the order a forward that runs the units in module order takes);
+    ``per_parameter``: the strategy's ``shards_each_parameter`` (layout.py)."""
     out = []
     for spec in assign_units(module, unit_modules):
         full_precision = full_precision_param_ids(spec.module, mixed_precision)
@@ -66,7 +72,7 @@ def planned_units(module: nn.Module, unit_modules: Optional[Sequence[type]],
         for gspec in group_specs(spec, full_precision, set(), reduce_root_per_child):
             shapes = [tuple(entry[2].shape) for entry in gspec.entries]
             groups.append(PlannedGroup(
-                gspec.tag, build_layout(shapes, shard_size, alignment),
+                gspec.tag, build_layout(shapes, shard_size, alignment, per_parameter),
                 resolve_dtypes(gspec.dtype, mixed_precision, gspec.requires_grad, gspec.full_precision),
                 gspec.requires_grad))
         out.append(PlannedUnit(spec.fqn, tuple(groups)))

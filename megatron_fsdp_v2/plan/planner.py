@@ -128,9 +128,12 @@ def plan_candidates(module: nn.Module, strategies, world_size: int, hybrid_shape
             raise ValueError(f"offload: CPU offload with hybrid sharding is not supported (fully_shard refuses it); "
                              f"got hybrid_shape {shape} with offload fraction(s) {[f for f in fractions if f]}.")
         inner = shape[1] if shape is not None else world_size
-        units = planned_units(module, unit_modules, mixed_precision, inner, alignment, reduce_root_per_child)
+        units = {each: planned_units(module, unit_modules, mixed_precision, inner, alignment, reduce_root_per_child,
+                                     per_parameter=each)
+                 for each in {s.shards_each_parameter for s in strategies}}
         for strategy in strategies:
-            out += [_candidate(units, strategy, shape, world_size, f, job) for f in fractions]
+            out += [_candidate(units[strategy.shards_each_parameter], strategy, shape, world_size, f, job)
+                    for f in fractions]
     return out
 
 

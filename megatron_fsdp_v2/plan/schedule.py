@@ -78,17 +78,30 @@ class _Trace:
 
 
 def _weights(trace: _Trace, unit: PlannedUnit, alloc: bool) -> None:
+    """Gather (``alloc``: the natural buffer, and under per-parameter shards the rank-major one the
+    collective fills) or free a unit's weights."""
     for group in unit.groups:
         key = (group.tag, "model_weights")
         trace.alloc(key, group.compute_bytes, "weights") if alloc else trace.free(key)
+        if alloc and group.gathered_bytes:
+            trace.alloc((group.tag, "gathered_weights"), group.gathered_bytes, "weights")
+
+
+def _landed(trace: _Trace, unit: PlannedUnit) -> None:
+    """A unit's gather waited for: per-parameter shards copy out and free the rank-major buffer."""
+    for group in unit.groups:
+        trace.free((group.tag, "gathered_weights"))
 
 
 def _forward(trace: _Trace, units: list, prefetch: bool) -> None:
-    """ZeRO-3: the root stays gathered through forward; each unit gathers, prefetches the next."""
+    """ZeRO-3: the root stays gathered through forward; each unit gathers (waited for before the
+    next is prefetched), prefetches the next."""
     root, rest = units[0], units[1:]
     _weights(trace, root, True)
+    _landed(trace, root)
     for i, unit in enumerate(rest):
         _weights(trace, unit, True)
+        _landed(trace, unit)
         if prefetch and i + 1 < len(rest):
             _weights(trace, rest[i + 1], True)
         _weights(trace, unit, False)
@@ -137,12 +150,14 @@ def _backward(trace: _Trace, units: list, strategy: ShardingStrategy, reduces: b
     root_grads = [g for g in root.groups if g.requires_grad]
     if sharded:
         _weights(trace, root, True)
+        _landed(trace, root)
     for group in root_grads:
         reducer.first_grad(group)
     for i in range(len(rest) - 1, -1, -1):
         unit = rest[i]
         if sharded:
             _weights(trace, unit, True)
+            _landed(trace, unit)
             if prefetch and i > 0:
                 _weights(trace, rest[i - 1], True)
         trace.mark("backward_start")          # the last unit's backward has begun (phases.py)

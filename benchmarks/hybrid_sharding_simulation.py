@@ -2,7 +2,8 @@
 """Step-time lower bounds of flat ZeRO-3, HSDP and HFSDP for a 70B GPT on a two-level network.
 
 No GPU, no process group: the bytes each collective moves are counted from the package's own
-flat-buffer layout (``megatron_fsdp_v2.layout.build_layout``, the padding ``fully_shard`` uses)
+flat-buffer layout (``megatron_fsdp_v2.layout.build_layout``, the padding ``fully_shard`` uses: per-parameter
+shards for flat ZeRO-3 and HSDP, row-snapped for HFSDP)
 and turned into time with a two-level bandwidth model (docs/benchmarks.md, "Simulation: flat
 ZeRO-3 vs HSDP vs HFSDP for a 70B GPT")::
 
@@ -192,6 +193,13 @@ def layout_shards(scheme: str, topo: Topology) -> int:
     return topo.inner if effective_scheme(scheme, topo) == "hsdp" else topo.world
 
 
+def unit_layout(shapes, scheme: str, topo: Topology, alignment: int):
+    """A unit's layout as ``fully_shard`` builds it for ZeRO-3 under ``scheme``: per-parameter
+    shards (layout.py), except HFSDP's two-level row-snapped shards."""
+    return build_layout(shapes, layout_shards(scheme, topo), alignment,
+                        per_parameter=effective_scheme(scheme, topo) != "hfsdp")
+
+
 def step_collectives(units, scheme: str, topo: Topology, micro_batches: int, dtypes: Dtypes = Dtypes(),
                      alignment: int = 1) -> list[Collective]:
     """Every collective of one optimizer step of ``scheme`` (module docstring), in issue order per
@@ -202,7 +210,7 @@ def step_collectives(units, scheme: str, topo: Topology, micro_batches: int, dty
     blocks = topo.outer if scheme == "hfsdp" else 1
     out: list[Collective] = []
     for name, shapes in units:
-        layout = build_layout(shapes, layout_shards(scheme, topo), alignment)
+        layout = unit_layout(shapes, scheme, topo, alignment)
         block, shard = layout.total_numel // blocks, layout.shard_numel
         for mb in range(micro_batches):
             for what, kind, size in (("fwd", "all_gather", dtypes.compute), ("bwd", "all_gather", dtypes.compute),
@@ -264,7 +272,7 @@ def memory_per_rank(units, scheme: str, topo: Topology, dtypes: Dtypes = Dtypes(
     mem = {"main_weights": 0, "optimizer_state": 0, "grads": 0, "compute_weights": 0}
     inner_grad_shard = 0
     for _, shapes in units:
-        shard = build_layout(shapes, layout_shards(scheme, topo), alignment).shard_numel
+        shard = unit_layout(shapes, scheme, topo, alignment).shard_numel
         mem["main_weights"] += dtypes.main * shard
         mem["optimizer_state"] += ADAM_BYTES * shard
         mem["grads"] += dtypes.grad * shard

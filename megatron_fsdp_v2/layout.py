@@ -246,9 +246,7 @@ def _per_parameter_layout(shapes, numels, dp_size: int, alignment: int) -> FlatL
     for shape, numel in zip(shapes, numels):
         row = row_numel(shape)
         rows = shape[0] if shape else 1
-        per_rank = -(-rows // dp_size) if numel else 0
-        if per_rank:
-            per_rank = _round_up(per_rank, alignment // math.gcd(alignment, row))
+        per_rank = _round_up(-(-rows // dp_size), alignment // math.gcd(alignment, row))
         piece_rows.append(per_rank)
         offsets.append(dp_size * start)
         start += per_rank * row

@@ -305,23 +305,30 @@ class ParamGroup(GroupExport, GroupOffload, GroupReduce):
             return
         if self.levels is not None:
             self.wait_refresh()                  # HFSDP: the inner shard must hold the last step's weights
+        self.is_unsharded = True
+        if self.layout.per_parameter:
+            self._pending_unshard = self._gather_rank_major(async_op)
+            return
         full = self.allocator.allocate(self._weights_key, self.layout.total_numel, self.dtypes.compute, self.device)
         self.model_weights = full
         self._point_params_at(full)
-        self._pending_unshard = (self._gather_rank_major(full, async_op) if self.layout.per_parameter
-                                 else self._gather_into(full, async_op))
-        self.is_unsharded = True
+        self._pending_unshard = self._gather_into(full, async_op)
 
-    def _gather_rank_major(self, natural: torch.Tensor, async_op: bool) -> PendingCollective:
-        """Per-parameter shards: all-gather into a rank-major temporary, then copy it out into the
-        natural buffer the parameters view and free it (shard_order.py)."""
+    def _gather_rank_major(self, async_op: bool) -> PendingCollective:
+        """Per-parameter shards: all-gather into a rank-major temporary; once it has landed, copy it
+        out into the natural buffer the parameters view (allocated only then, so a prefetch in
+        flight holds one unit-size buffer, as FSDP2's) and free it (shard_order.py)."""
         gathered = self.allocator.allocate(self._gathered_key, self.layout.total_numel, self.dtypes.compute,
                                            self.device)
         pending = self._gather_own_slot(self.comm, gathered, async_op, f"weights of {self.name}")
 
         def copy_out():
+            natural = self.allocator.allocate(self._weights_key, self.layout.total_numel, self.dtypes.compute,
+                                              self.device)
             natural_from_gathered(gathered, self.layout, natural)
             self.allocator.free(self._gathered_key)
+            self.model_weights = natural
+            self._point_params_at(natural)
         if not async_op:
             copy_out()
             return pending

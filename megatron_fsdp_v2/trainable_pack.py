@@ -107,7 +107,7 @@ def trainable_pack(layout: FlatLayout, trainable: Sequence[bool], scatter: bool,
     if all(trainable) or not any(trainable):
         return None
     indices = [i for i, keep in enumerate(trainable) if keep]
-    sub = build_layout([layout.shapes[i] for i in indices], layout.dp_size, layout.alignment)
+    sub = build_layout([layout.shapes[i] for i in indices], layout.dp_size, layout.alignment, layout.per_parameter)
     if not scatter:
         moves = tuple(Move(i, 0, layout.numels[i], sub.offsets[k]) for k, i in enumerate(indices))
         own = tuple((m.packed, layout.offsets[m.index], layout.numels[m.index]) for m in moves)

@@ -78,19 +78,24 @@ class _Trace:
 
 
 def _weights(trace: _Trace, unit: PlannedUnit, alloc: bool) -> None:
-    """Gather (``alloc``: the natural buffer, and under per-parameter shards the rank-major one the
-    collective fills) or free a unit's weights."""
+    """Gather (``alloc``: the buffer the collective fills; under per-parameter shards the rank-major
+    one, the natural one following when it lands) or free a unit's weights."""
     for group in unit.groups:
-        key = (group.tag, "model_weights")
-        trace.alloc(key, group.compute_bytes, "weights") if alloc else trace.free(key)
-        if alloc and group.gathered_bytes:
-            trace.alloc((group.tag, "gathered_weights"), group.gathered_bytes, "weights")
+        key = (group.tag, "gathered_weights" if group.gathered_bytes else "model_weights")
+        if alloc:
+            if (group.tag, "model_weights") not in trace.live:
+                trace.alloc(key, group.compute_bytes, "weights")
+        else:
+            trace.free((group.tag, "model_weights"))
 
 
 def _landed(trace: _Trace, unit: PlannedUnit) -> None:
-    """A unit's gather waited for: per-parameter shards copy out and free the rank-major buffer."""
+    """A unit's gather waited for: per-parameter shards copy out into the natural buffer and free
+    the rank-major one."""
     for group in unit.groups:
-        trace.free((group.tag, "gathered_weights"))
+        if (group.tag, "gathered_weights") in trace.live:
+            trace.alloc((group.tag, "model_weights"), group.compute_bytes, "weights")
+            trace.free((group.tag, "gathered_weights"))
 
 
 def _forward(trace: _Trace, units: list, prefetch: bool) -> None:

@@ -144,7 +144,8 @@ def test_counted_bytes_match_comm_stats(layout, scheme):
     memory = sim.memory_per_rank(units, scheme, topo, BF16, alignment)
     shards = sim.layout_shards(scheme, topo)
     assert shards == (topo.inner if scheme == "hsdp" else topo.world)
-    assert any(sim.build_layout(shapes, shards, alignment).padding_numel for _, shapes in units)   # padding counts
+    padding = [sim.unit_layout(shapes, scheme, topo, alignment).padding_numel for _, shapes in units]
+    assert any(padding) == (scheme != "hsdp"), padding    # padding counts (HSDP: every row count even over 2)
     if scheme == "hfsdp":           # per micro-batch and unit: N_out = 2 inner calls per collective
         assert want["all_gather"]["count"] == 2 * K * len(units) * topo.outer
         assert want["reduce_scatter"]["count"] == K * len(units) * topo.outer
@@ -189,7 +190,7 @@ def test_ring_costs_links_and_memory_formulas():
     assert sim.memory_per_rank(units, "hfsdp", one_node, BF16) == sim.memory_per_rank(units, "flat_zero3", one_node,
                                                                                        BF16)
 
-    shard = sum(sim.build_layout(shapes, 8, 1).shard_numel for _, shapes in units)          # HSDP: over the node
+    shard = sum(sim.build_layout(shapes, 8, 1, per_parameter=True).shard_numel for _, shapes in units)  # HSDP: the node
     world_shard = sum(sim.build_layout(shapes, 64, 1).shard_numel for _, shapes in units)   # HFSDP: over the world
     hsdp = sim.link_bytes_per_rank(sim.step_collectives(units, "hsdp", nodes, K, BF16), nodes)
     hfsdp_calls = sim.step_collectives(units, "hfsdp", nodes, K, BF16)

@@ -212,8 +212,12 @@ def test_phases_equal_our_bytes_at_those_moments(world_size):
     results = run_distributed(_phase_worker, world_size)
     for strategy in STRATEGY_NAMES:
         planned = _planned(world_size, strategy, 0.0, micro_batches=1, activation_bytes=10 ** 6)
+        # the phases are the most loaded rank's; a rank holding fewer rows (ZeRO-3's torch.chunk
+        # pieces leave the last ranks short) holds that much less at every moment
+        most = max(r["total"] for r in planned.ranks)
         for rank, got in enumerate(results):
-            assert got[strategy] == planned.phases, (strategy, rank)
+            fewer = most - planned.ranks[rank]["total"]
+            assert got[strategy] == {k: v - fewer for k, v in planned.phases.items()}, (strategy, rank)
         assert planned.peak_with_activations == max(planned.phases["last_unit_backward"] + 10 ** 6,
                                                     planned.phases["step"], planned.peak_bytes)
 

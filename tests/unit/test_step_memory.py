@@ -11,9 +11,8 @@ during it, on CPU), so bytes held since before the model existed are left out as
 base is.
 
 Asserted, at dp 1 and 2:
-* the step's peak <= upstream's bound ``4 x sharded numel x 4 B + 16 MB``; at dp 1 (and on a
-  rank holding a whole parameter over 8 MB, see below) the 16 MB slack is less than the two
-  temporaries ``Adam(foreach=False)`` makes for its largest parameter
+* the step's peak <= upstream's bound ``4 x sharded numel x 4 B + 16 MB``; at dp 1 the 16 MB slack
+  is less than the two temporaries ``Adam(foreach=False)`` makes for its largest parameter
   (``sqrt`` and ``/``: 2 x 9.4 MB, FSDP2 needs them too), so there the slack is those two
   (+ 64 KiB: Adam's 0-d step counters and small bookkeeping; FSDP2's own step measures the same
   359.96 MB there);
@@ -23,13 +22,10 @@ Asserted, at dp 1 and 2:
 * after ``fully_shard`` (upstream's "init" point) it holds the sharded weights only: no gradient
   buffer before the first reduce (main held a zeroed grad shard from the wrap on: 85.28 MB at
   dp 2 against upstream's 70.97 MB; fixed in param_group.py).
-Measured on CPU at dp 2: rank 0 180.00 MB against upstream's 186.54 MB (FSDP2's own step: 179.98
-MB); rank 1 189.43 MB, 1.015x upstream's bound. Rank 1 holds a whole block's ``w2`` (9.44 MB): a
-flat shard gives a rank whole parameters where FSDP2 gives each rank rows of every parameter, so
-Adam(foreach=False)'s two per-parameter temporaries (``exp_avg_sq.sqrt()`` and its division) are
-2 x 9.44 MB there against FSDP2's 2 x 4.72 MB. Nothing else is made during the step; the bound on
-such a rank is upstream's with its 16 MB slack replaced by those two temporaries, asserted as a
-number (189.48 MB). main before this file measured the same step peaks.
+Measured on CPU at dp 2: both ranks 179.98 MB against upstream's 186.54 MB bound, FSDP2's own step
+179.98 MB. Every rank holds half the rows of every parameter (layout.py, [Note: per-parameter
+shards]); with row-snapped shards rank 1 held a whole block's ``w2`` (9.44 MB), so Adam's two
+temporaries were 2 x 9.44 MB there and its step peaked at 189.43 MB, 1.015x the bound.
 """
 
 from __future__ import annotations
@@ -75,7 +71,7 @@ def step_memory_worker(rank, world):
 
 def _bound(r) -> float:
     """Upstream's step bound; its 16 MB slack becomes Adam(foreach=False)'s two temporaries of the
-    largest piece this rank holds (+ SLACK) where those are larger (see the module docstring)."""
+    largest piece this rank holds (+ SLACK) where those are larger (dp 1, see the module docstring)."""
     adam_temporaries = 2 * r["largest_piece"]
     bound = fsdp2_bounds(r["numels"])["step_peak"]
     return bound if adam_temporaries <= 16 * MB else bound - 16 * MB + adam_temporaries + SLACK

@@ -300,7 +300,8 @@ class ParamGroup(GroupExport, GroupOffload, GroupReduce):
         return PendingCollective(works, release)
 
     def unshard(self, async_op: bool = True) -> None:
-        """ZeRO-3: allocate the full compute buffer and all-gather the weights into it."""
+        """ZeRO-3: allocate the full compute buffer and all-gather the weights into it (per-parameter
+        shards: into a rank-major temporary, copied out when it lands)."""
         if self.is_unsharded:
             return
         if self.levels is not None:
@@ -332,6 +333,11 @@ class ParamGroup(GroupExport, GroupOffload, GroupReduce):
         if not async_op:
             copy_out()
             return pending
+        # Until it lands the parameters view the rank-major buffer at their natural offsets: their
+        # values are not theirs yet (as a row-snapped gather in flight), but their shapes are, which
+        # autograd checks when a gradient reaches a unit no backward trigger gathered first (a unit
+        # whose output pytree cannot see and whose weights its backward does not read).
+        self._point_params_at(gathered)
         return PendingCollective(pending.work, copy_out)
 
     def wait_unshard(self) -> None:

@@ -264,7 +264,6 @@ class Engine:
                 prev.unshard(async_op=True)
             elif prev is not None:
                 prev.prefetch_uploads()           # (offload: a released compute shard, copied ahead)
-        unit.wait_unshard()
 
     def _on_backward_start(self) -> None:
         if self.backward_pass is not None:

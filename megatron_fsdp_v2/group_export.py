@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from .shard_order import natural_from_gathered, own_from_natural
+from .shard_order import natural_from_gathered
 
 __all__ = ["GroupExport"]
 
@@ -60,10 +60,6 @@ class GroupExport:
         natural = torch.empty_like(gathered)
         natural_from_gathered(gathered, self.layout, natural)
         return natural
-
-    def own_shard_of(self, full_main: torch.Tensor) -> torch.Tensor:
-        """This rank's shard (laid out like ``main_shard``) of a natural whole buffer."""
-        return own_from_natural(full_main, self.layout, self.comm.rank)
 
     def full_param(self, full_main: torch.Tensor, index: int) -> torch.Tensor:
         start, end = self.layout.param_range(index)

@@ -1,13 +1,15 @@
 """Copies between a group's two buffer orders under per-parameter shards (layout.py, [Note:
 per-parameter shards]): *rank-major*, what an all-gather fills and a reduce-scatter reads (rank
 ``r``'s shard, then rank ``r + 1``'s), and *natural*, each parameter contiguous, what the
-parameter views read. Under row-snapped shards the two are one buffer and nothing here copies.
+parameter views read. Under row-snapped shards the two are one buffer (``own_from_natural`` is
+then a slice, copied).
 
 Parameter ``i`` takes columns ``[start_i, start_i + piece_i)`` of the rank-major buffer viewed as
 ``[dp, shard]`` and elements ``[dp * start_i, dp * (start_i + piece_i))`` of the natural one viewed
-as ``[dp, piece_i]``: the same ``[dp, piece_i]`` block, so each direction is one strided copy per
-parameter (one ``torch.split_with_sizes_copy`` over all of them from rank-major to natural, as
-FSDP2 copies its all-gather output out).
+as ``[dp, piece_i]``: the same ``[dp, piece_i]`` block. Gathered weights go to natural order in
+one ``torch.split_with_sizes_copy`` over all parameters (as FSDP2 copies its all-gather output
+out); gradients go the other way one parameter at a time (``write_rank_major``), each let go as
+soon as it is written.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 
 from .layout import FlatLayout
 
-__all__ = ["natural_from_gathered", "gathered_from_natural", "own_from_natural", "write_rank_major"]
+__all__ = ["natural_from_gathered", "own_from_natural", "write_rank_major"]
 
 
 def _pieces(layout: FlatLayout) -> list[int]:
@@ -41,17 +43,6 @@ def natural_from_gathered(gathered: torch.Tensor, layout: FlatLayout, natural: t
     with torch.no_grad():
         torch.split_with_sizes_copy(gathered.view(layout.dp_size, layout.shard_numel), widths, dim=1,
                                     out=_natural_blocks(natural, layout, widths))
-
-
-def gathered_from_natural(natural: torch.Tensor, layout: FlatLayout, gathered: torch.Tensor) -> None:
-    """Write a natural buffer into ``gathered`` in rank-major order (a reduce-scatter's input)."""
-    widths = _pieces(layout)
-    out = gathered.view(layout.dp_size, layout.shard_numel)
-    with torch.no_grad():
-        start = 0
-        for block, width in zip(_natural_blocks(natural, layout, widths), widths):
-            out[:, start:start + width].copy_(block)
-            start += width
 
 
 def own_from_natural(natural: torch.Tensor, layout: FlatLayout, rank: int) -> torch.Tensor:

@@ -15,6 +15,7 @@ import contextlib
 import torch
 
 from .phase import Phase
+from .shard_order import own_from_natural
 
 
 @contextlib.contextmanager
@@ -79,7 +80,8 @@ def summon_full_params(module, recurse: bool = True, writeback: bool = True, ran
                 engine.param_slots.hold_main()
             if writeback:
                 for group, full_main in gathered:
-                    group.main_shard.copy_(group.own_shard_of(full_main) if group.strategy.optim_sharded
+                    group.main_shard.copy_(own_from_natural(full_main, group.layout, group.comm.rank)
+                                           if group.strategy.optim_sharded
                                            else full_main)
                 engine.mark_main_weights_changed()
                 engine.refresh_weights(wait=True)

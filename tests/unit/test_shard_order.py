@@ -1,14 +1,11 @@
 """Per-parameter shards (layout.py, [Note: per-parameter shards]) and the copies between their two
 orders (shard_order.py), checked against torch.chunk and a gather written out by hand."""
 
-import itertools
-
 import pytest
 import torch
 
 from megatron_fsdp_v2.layout import build_layout
-from megatron_fsdp_v2.shard_order import (gathered_from_natural, natural_from_gathered, own_from_natural,
-                                          write_rank_major)
+from megatron_fsdp_v2.shard_order import natural_from_gathered, own_from_natural, write_rank_major
 
 SHAPES = [(7,), (3, 4), (2, 4), (3,), (), (5, 0), (0,), (768, 6)]
 
@@ -73,9 +70,6 @@ def test_copies_between_orders(dp, alignment):
     params = _params(SHAPES)
     natural = _natural(layout, params)
     by_hand = _rank_major_by_hand(layout, params)
-    gathered = torch.full((layout.total_numel,), float("nan"))
-    gathered_from_natural(natural, layout, gathered)
-    assert torch.equal(gathered, by_hand)
     back = torch.full((layout.total_numel,), float("nan"))
     natural_from_gathered(by_hand, layout, back)
     for i, p in enumerate(params):
@@ -103,4 +97,4 @@ def test_row_snapped_layouts_are_their_own_rank_major_order():
 
 def test_one_rank_is_unsplit():
     assert build_layout(SHAPES, 1, per_parameter=True) == build_layout(SHAPES, 1)
-    assert list(itertools.chain(build_layout(SHAPES, 1).row_splits(1))) == [0, 3]
+    assert build_layout(SHAPES, 1).row_splits(1) == (0, 3)

@@ -4,10 +4,12 @@
   root pre-forward   weights refreshed from updated main weights if the optimizer stepped
                      (ZeRO-1/2: one async all-gather per group, waited per unit at its forward;
                      DDP with mixed precision: a local cast); ZeRO-3: root unit all-gathered.
-  unit pre-forward   ZeRO-3: all-gather this unit (prefetched when possible), prefetch the next
-                     (not over a one-rank gather: Unit.worth_prefetching).
+  unit pre-forward   ZeRO-3: all-gather this unit (prefetched when possible) and wait for it (with
+                     per-parameter shards: its copy-out), then prefetch the next (not over a
+                     one-rank gather: Unit.worth_prefetching).
   unit post-forward  ZeRO-3: reshard; hook the outputs so the unit's backward unshards it again.
-  unit pre-backward  ZeRO-3: all-gather this unit, prefetch the one before it in forward order.
+  unit pre-backward  ZeRO-3: all-gather this unit and wait for it, prefetch the one before it in
+                     forward order.
   param grad ready   DDP/ZeRO-1: add it to the group's full-size grad buffer; ZeRO-2/3: hold it
                      (unreduced_grads.py). When the whole group is ready and this micro-batch
                      reduces, reduce it (async); a root group only if that frees memory.
@@ -18,7 +20,8 @@
 [Note: bounds on temporary buffers]
   When a group's first gradient of a backward arrives, and before a reduce is issued, the engine
   waits for the reduce in flight. So at most one full-size reduce input is live (ZeRO-2: <= 2
-  units of it; ZeRO-3 backward: this unit's weights, the prefetched unit's weights and one reduce
+  units of it; ZeRO-3 backward: this unit's weights, the prefetched unit's weights (with
+  per-parameter shards its rank-major gather buffer until it lands, the same size) and one reduce
   input).
 """
 

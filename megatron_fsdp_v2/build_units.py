@@ -21,7 +21,8 @@ from .mixed_precision import full_precision_param_ids, resolve_dtypes
 from .nested import absorb_wrapped_submodules
 from .offload import HostLink, choose_offloaded, offload_choice_bytes
 from .optimizer_hook import mark_replaced
-from .param_group import ParamGroup
+from .main_segment import segment_views, shares_main_segment
+from .param_group import ParamGroup, group_layout
 from .row_sharded import mesh_of_group
 from .unit_state import Unit
 from .units import assign_units, group_specs
@@ -75,18 +76,22 @@ def build_units(model: PreparedModel, strategy, groups: WrapGroups, world, alloc
                    if groups.experts is not None and dtensor_params and strategy.optim_sharded else None)
     plans = _group_plans(model, mixed_precision, reduce_root_per_child)
     to_host, link = _offload_choice(plans, offload, device)
+    levels = (groups.comm, groups.replicas) if world is not None else None
+    alignment = default_alignment(device)
+    flat = [(policy, gspec) for policy, gspecs in plans for gspec in gspecs]
+    comms = [groups.experts if gspec.expert else shard_comm for _, gspec in flat]
+    dtypes = [resolve_dtypes(gspec.dtype, policy, gspec.requires_grad, gspec.full_precision) for policy, gspec in flat]
+    storages = _main_storages(flat, comms, dtypes, strategy, alignment, levels, to_host, device)
     units: list[Unit] = []
     index = 0                                     # the group's position in the whole model
     for unit_index, (spec, (policy, gspecs)) in enumerate(zip(model.specs, plans)):
         unit_groups = []
         for gspec in gspecs:
             entries = gspec.entries
-            group = ParamGroup(gspec.tag, [e[2] for e in entries], [e[0] for e in entries], strategy,
-                               groups.experts if gspec.expert else shard_comm,
-                               resolve_dtypes(gspec.dtype, policy, gspec.requires_grad, gspec.full_precision),
-                               allocator, device, default_alignment(device), expert_mesh if gspec.expert else mesh,
-                               levels=(groups.comm, groups.replicas) if world is not None else None,
-                               offload=link if index in to_host else None, persistent_grads=persistent_grads)
+            group = ParamGroup(gspec.tag, [e[2] for e in entries], [e[0] for e in entries], strategy, comms[index],
+                               dtypes[index], allocator, device, alignment, expert_mesh if gspec.expert else mesh,
+                               levels=levels, offload=link if index in to_host else None,
+                               persistent_grads=persistent_grads, main_storage=storages[index])
             group.all_names = [e[1] for e in entries]
             group.param_dtype = gspec.dtype
             unit_groups.append(group)
@@ -97,6 +102,19 @@ def build_units(model: PreparedModel, strategy, groups: WrapGroups, world, alloc
         unit.mixed_precision = policy
         units.append(unit)
     return units
+
+
+def _main_storages(flat: list, comms: list, dtypes: list, strategy, alignment: int, levels, to_host: frozenset,
+                   device: torch.device) -> list:
+    """Per group: the view of the rank's main segment its main shard is built in, or None (its
+    own buffer): main_segment.py, [Note: one segment for the main shards]."""
+    if not shares_main_segment(strategy, hybrid=levels is not None):
+        return [None] * len(flat)
+    requests = []
+    for index, ((_, gspec), comm, dtype) in enumerate(zip(flat, comms, dtypes)):
+        layout = group_layout([e[2].shape for e in gspec.entries], strategy, comm.size, alignment, levels)
+        requests.append(None if index in to_host else (layout.shard_numel, dtype.main))
+    return segment_views(requests, device)
 
 
 def _group_plans(model: PreparedModel, mixed_precision, reduce_root_per_child: bool) -> list:

@@ -21,6 +21,7 @@ from .build_units import build_units, initialize_units_from_meta, prepare_model
 from .checkpoint.state_dict import load_model_state_dict, model_state_dict
 from .engine import Engine
 from .experts import expert_names_refusal
+from .main_segment import compact
 from .layout import default_alignment  # noqa: F401  (fully_shard.default_alignment, as before)
 from .mixed_precision import MixedPrecisionPolicy
 from .offload import HostLink, OffloadPolicy, choose_offloaded, release_shards_after_gathers
@@ -232,8 +233,11 @@ class FullyShardedModule:
         sizes = [g.main_shard.numel() * g.main_shard.element_size() for g in engine.groups]
         chosen = choose_offloaded(sizes, offload.fraction)
         link = HostLink(engine.groups[0].device, offload) if chosen else None
+        left_segment = any(engine.groups[index].main_in_segment for index in chosen)
         for index in sorted(chosen):
             engine.groups[index].offload_main(link)
+        if left_segment:
+            compact(engine.groups)
         install_backward_steps(engine, offload)
         release_shards_after_gathers(engine.units, offload)
 

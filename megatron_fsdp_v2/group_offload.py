@@ -27,7 +27,8 @@ class GroupOffload:
         if self.offloaded is not None:
             return
         device_main = self.main_shard
-        self.main_shard = link.host_copy(device_main)
+        self._point_main_at(link.host_copy(device_main))
+        self.main_in_segment = False
         grad_numel = (self.layout.shard_numel if self.strategy.optim_sharded else self.layout.total_numel)
         self.offloaded = OffloadedGroup(link, grad_numel if self.requires_grad else 0, self.dtypes.grad,
                                         self.layout.shard_numel if self.strategy.weights_sharded else 0,
@@ -42,11 +43,6 @@ class GroupOffload:
             # compute weights; the main weights are the host copy from now on
             self.compute_weights_are_main_weights = False
             self.model_weights = device_main
-        if getattr(self, "main_params", None) is not None:
-            self.main_locals = [self._main_view(self.main_shard, i) for i in range(len(self.params))]
-            with torch.no_grad():
-                for index, main in enumerate(self.main_params):
-                    main.data = self.facing_optimizer(self.main_locals[index], index)
 
     def _write_own_slot(self, slot: torch.Tensor) -> None:
         """Put this rank's main shard, in the compute dtype, into ``slot`` (device) before a gather."""

@@ -33,10 +33,17 @@ from .group_reduce import GroupReduce
 from .unreduced_grads import UnreducedGrads
 from .layout import FlatLayout, build_layout
 from .row_sharded import row_sharded
-from .shard_order import natural_from_gathered, own_from_natural
+from .shard_order import natural_from_gathered
 from .mixed_precision import GroupDtypes
 from .replicas import gather_blocks
 from .strategy import ShardingStrategy
+
+
+def group_layout(shapes, strategy: ShardingStrategy, dp_size: int, alignment: int, levels=None) -> FlatLayout:
+    """A group's flat layout. HFSDP (``levels``) gathers and reduces block by block over two
+    levels of row-snapped shards; otherwise ZeRO-3 cuts every parameter over every rank."""
+    return build_layout([tuple(shape) for shape in shapes], dp_size, alignment,
+                        per_parameter=strategy.shards_each_parameter and levels is None)
 
 
 class ParamGroup(GroupExport, GroupOffload, GroupReduce):
@@ -57,6 +64,7 @@ class ParamGroup(GroupExport, GroupOffload, GroupReduce):
         levels=None,
         offload=None,
         persistent_grads: bool = True,
+        main_storage: Optional[torch.Tensor] = None,
     ) -> None:
         self.name = name
         self.params = list(params)
@@ -73,9 +81,7 @@ class ParamGroup(GroupExport, GroupOffload, GroupReduce):
         self.levels = levels
         self.inner_weights: Optional[torch.Tensor] = None     # HFSDP ZeRO-3: this rank's inner shard
         self._inner_grad: Optional[torch.Tensor] = None       # HFSDP: inner-reduced grads awaiting the outer reduce
-        # HFSDP gathers and reduces block by block over two levels of row-snapped shards
-        self.layout: FlatLayout = build_layout([tuple(p.shape) for p in self.params], comm.size, alignment,
-                                               per_parameter=strategy.shards_each_parameter and levels is None)
+        self.layout: FlatLayout = group_layout(self.shapes, strategy, comm.size, alignment, levels)
         # Sharded main weights face the optimizer as RowShardedTensors on this mesh (None: as plain
         # tensors holding this rank's rows, what Megatron's optimizer expects).
         self.mesh = mesh if strategy.optim_sharded else None
@@ -119,20 +125,13 @@ class ParamGroup(GroupExport, GroupOffload, GroupReduce):
         grads_numel = self.layout.shard_numel if strategy.grads_sharded else self.layout.total_numel
         self.grads = GradBuffer(grads_numel, dtypes.grad, device)
         self.grads.persistent = persistent_grads
-        self._init_buffers(offload)
+        self._init_buffers(offload, main_storage)
 
     # ------------------------------------------------------------------ construction
-    def _init_buffers(self, offload=None) -> None:
-        total = self.layout.total_numel
+    def _init_buffers(self, offload=None, main_storage: Optional[torch.Tensor] = None) -> None:
         dt = self.dtypes
-        with torch.no_grad():
-            initial = torch.zeros(total, dtype=dt.main, device=self.device)
-            for index, param in enumerate(self.params):
-                start, end = self.layout.param_range(index)
-                initial[start:end].copy_(param.detach().reshape(-1))
-            self.main_shard = (own_from_natural(initial, self.layout, self.comm.rank) if self.strategy.optim_sharded
-                               else initial)
-        del initial
+        self.main_shard = self._own_main_values(main_storage)
+        self.main_in_segment = main_storage is not None
         self.compute_weights_are_main_weights = not self.strategy.optim_sharded and dt.compute == dt.main
         if offload is not None:          # main shard to the host (group_offload.py)
             self.offload_main(offload)
@@ -148,7 +147,7 @@ class ParamGroup(GroupExport, GroupOffload, GroupReduce):
             if self.compute_weights_are_main_weights:
                 self.model_weights = self.main_shard
             else:
-                self.model_weights = torch.empty(total, dtype=dt.compute, device=self.device)
+                self.model_weights = torch.empty(self.layout.total_numel, dtype=dt.compute, device=self.device)
             self._point_params_at(self.model_weights)
             self.is_unsharded = True
             if not self.compute_weights_are_main_weights:
@@ -165,6 +164,36 @@ class ParamGroup(GroupExport, GroupOffload, GroupReduce):
         if self.requires_grad and (not self.strategy.grads_sharded
                                    or (self.grads.persistent and self.offloaded is None)):
             self._ensure_grads()
+
+    def _own_main_values(self, storage: Optional[torch.Tensor]) -> torch.Tensor:
+        """This rank's main weights (its shard, or the whole buffer) taken from the parameters,
+        written into ``storage`` (a view of the rank's main segment, main_segment.py) or a new
+        buffer; padding is zero. Built piece by piece: no full-size temporary of the group."""
+        numel = self.layout.shard_numel if self.strategy.optim_sharded else self.layout.total_numel
+        main = storage if storage is not None else torch.empty(numel, dtype=self.dtypes.main, device=self.device)
+        with torch.no_grad():
+            main.zero_()
+            for index, param in enumerate(self.params):
+                piece = self._main_view(main, index)
+                piece.copy_(self._own_values(index, param).view(piece.shape))
+        return main
+
+    def rehome_main(self, storage: torch.Tensor) -> None:
+        """Move the main weights into ``storage`` (same numel and dtype) and point the main
+        parameters there (their ``.data``: plain-tensor main parameters only)."""
+        with torch.no_grad():
+            storage.copy_(self.main_shard)
+        self._point_main_at(storage)
+
+    def _point_main_at(self, main: torch.Tensor) -> None:
+        """``main`` is the main weights from now on; main parameters already made view it."""
+        self.main_shard = main
+        if getattr(self, "main_params", None) is None:
+            return
+        self.main_locals = [self._main_view(main, i) for i in range(len(self.params))]
+        with torch.no_grad():
+            for index, param in enumerate(self.main_params):
+                param.data = self.facing_optimizer(self.main_locals[index], index)
 
     # ------------------------------------------------------------------ the gradient buffer
     @property
@@ -210,13 +239,17 @@ class ParamGroup(GroupExport, GroupOffload, GroupReduce):
     def write_main_values(self, index: int, full: torch.Tensor) -> None:
         """Store parameter ``index``'s values (a full tensor) in this rank's main weights (a model
         initialized from meta: meta_init.py). The compute weights follow at the next rebuild."""
-        if self.strategy.optim_sharded:
-            piece = self.layout.shard_slice(index, self.comm.rank)
-            values = full.detach().reshape(-1)[piece.param_start:piece.param_end]
-        else:
-            values = full.detach().reshape(-1)
         with torch.no_grad():
-            self.main_locals[index].copy_(values.view(self.main_locals[index].shape))
+            local = self.main_locals[index]
+            local.copy_(self._own_values(index, full).view(local.shape))
+
+    def _own_values(self, index: int, full: torch.Tensor) -> torch.Tensor:
+        """This rank's elements of parameter ``index``'s values ``full``, flat."""
+        values = full.detach().reshape(-1)
+        if not self.strategy.optim_sharded:
+            return values
+        piece = self.layout.shard_slice(index, self.comm.rank)
+        return values[piece.param_start:piece.param_end]
 
     def repoint_param(self, index: int) -> None:
         """Point the module's parameter ``index`` back at what this group holds for it."""

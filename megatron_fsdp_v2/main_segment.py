@@ -1,0 +1,68 @@
+"""ZeRO-3's main-weight shards of one rank as views of one allocation per dtype.
+
+[Note: one segment for the main shards]
+A group's main shard is a flat buffer kept for the whole run. Allocated one per group, a shard a
+little under a multiple of the CUDA caching allocator's 2 MiB segment rounding gets a segment of
+its own whose remainder, under the allocator's 1 MiB split threshold, is never split off: it stays
+in the block and counts as allocated. Measured on one H200 with FSDP2's memory-test model at world
+1 (benchmarks/held_at_step.py): each block's 28.34 MB shard held a 28 MiB block, 3 x 1.02 MB above
+FSDP2, whose sharded parameters are allocated one by one. So the main shards of the groups that
+stay on the device are views of one allocation per main dtype: one remainder in all.
+
+Only ZeRO-3 without hybrid sharding: ZeRO-1/2 and HFSDP refresh a group's compute weights when the
+version counter of its main shard moves, and views of one allocation share one counter (a step of
+one group would refresh every group). ZeRO-3 gathers at every use and reads no version.
+
+Cost: the segment exists before the groups copy their values in, so wrapping an eager model holds
+the model and all of this rank's main shards at once (model / dp more than one group at a time;
+from meta nothing more, the parameters are placeholders). Groups moved to the host by a later
+``set_offload`` leave a hole: the others move into a new segment (``compact``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from .strategy import ShardingStrategy
+
+__all__ = ["compact", "segment_views", "shares_main_segment"]
+
+_ALIGN_BYTES = 512          # the caching allocator's block alignment: every view starts on one
+
+
+def shares_main_segment(strategy: ShardingStrategy, hybrid: bool) -> bool:
+    """Whether this strategy's device main shards come from one segment (see the Note)."""
+    return strategy.weights_sharded and not hybrid
+
+
+def segment_views(requests: Sequence[Optional[tuple[int, torch.dtype]]],
+                  device: torch.device) -> list[Optional[torch.Tensor]]:
+    """For each ``(numel, dtype)`` request a 1-D view of one allocation per dtype (None for None),
+    each view starting on a 512-byte boundary. Contents are undefined."""
+    offsets: list[Optional[int]] = []
+    ends: dict = {}
+    for request in requests:
+        if request is None:
+            offsets.append(None)
+            continue
+        numel, dtype = request
+        align = max(1, _ALIGN_BYTES // torch.empty((), dtype=dtype).element_size())
+        start = -(-ends.get(dtype, 0) // align) * align
+        offsets.append(start)
+        ends[dtype] = start + numel
+    segments = {dtype: torch.empty(end, dtype=dtype, device=device) for dtype, end in ends.items()}
+    return [None if request is None else segments[request[1]][start:start + request[0]]
+            for request, start in zip(requests, offsets)]
+
+
+def compact(groups: Sequence) -> None:
+    """Move the main shards still in a segment into a new one without the holes that groups moved
+    to the host left (``set_offload``); the old segment is freed with its last view."""
+    members = [g for g in groups if getattr(g, "main_in_segment", False)]
+    if not members:
+        return
+    views = segment_views([(g.main_shard.numel(), g.main_shard.dtype) for g in members], members[0].device)
+    for group, view in zip(members, views):
+        group.rehome_main(view)

@@ -21,8 +21,8 @@ from .mixed_precision import full_precision_param_ids, resolve_dtypes
 from .nested import absorb_wrapped_submodules
 from .offload import HostLink, choose_offloaded, offload_choice_bytes
 from .optimizer_hook import mark_replaced
-from .main_segment import segment_views, shares_main_segment
-from .param_group import ParamGroup, group_layout
+from .main_segment import compact, shares_main_segment
+from .param_group import ParamGroup
 from .row_sharded import mesh_of_group
 from .unit_state import Unit
 from .units import assign_units, group_specs
@@ -68,7 +68,9 @@ def prepare_model(module: nn.Module, strategy, groups: WrapGroups, expert_params
 
 def build_units(model: PreparedModel, strategy, groups: WrapGroups, world, allocator, mixed_precision,
                 dtensor_params: bool, offload, persistent_grads: bool, reduce_root_per_child: bool) -> list[Unit]:
-    """Every unit with its ParamGroups (buffers laid out, main parameters made), the root first."""
+    """Every unit with its ParamGroups (buffers laid out, main parameters made), the root first.
+    ZeRO-3's main shards are built one group at a time (each group's parameters freed as it is
+    built) and then moved into one allocation (main_segment.py) before the main parameters are made."""
     device = model.device
     shard_comm = world if world is not None else groups.comm   # HFSDP: main weights sharded over the world
     mesh = mesh_of_group(shard_comm.group, device) if dtensor_params and strategy.optim_sharded else None
@@ -76,22 +78,20 @@ def build_units(model: PreparedModel, strategy, groups: WrapGroups, world, alloc
                    if groups.experts is not None and dtensor_params and strategy.optim_sharded else None)
     plans = _group_plans(model, mixed_precision, reduce_root_per_child)
     to_host, link = _offload_choice(plans, offload, device)
-    levels = (groups.comm, groups.replicas) if world is not None else None
-    alignment = default_alignment(device)
-    flat = [(policy, gspec) for policy, gspecs in plans for gspec in gspecs]
-    comms = [groups.experts if gspec.expert else shard_comm for _, gspec in flat]
-    dtypes = [resolve_dtypes(gspec.dtype, policy, gspec.requires_grad, gspec.full_precision) for policy, gspec in flat]
-    storages = _main_storages(flat, comms, dtypes, strategy, alignment, levels, to_host, device)
+    in_segment = shares_main_segment(strategy, hybrid=world is not None)
     units: list[Unit] = []
     index = 0                                     # the group's position in the whole model
     for unit_index, (spec, (policy, gspecs)) in enumerate(zip(model.specs, plans)):
         unit_groups = []
         for gspec in gspecs:
             entries = gspec.entries
-            group = ParamGroup(gspec.tag, [e[2] for e in entries], [e[0] for e in entries], strategy, comms[index],
-                               dtypes[index], allocator, device, alignment, expert_mesh if gspec.expert else mesh,
-                               levels=levels, offload=link if index in to_host else None,
-                               persistent_grads=persistent_grads, main_storage=storages[index])
+            group = ParamGroup(gspec.tag, [e[2] for e in entries], [e[0] for e in entries], strategy,
+                               groups.experts if gspec.expert else shard_comm,
+                               resolve_dtypes(gspec.dtype, policy, gspec.requires_grad, gspec.full_precision),
+                               allocator, device, default_alignment(device), expert_mesh if gspec.expert else mesh,
+                               levels=(groups.comm, groups.replicas) if world is not None else None,
+                               offload=link if index in to_host else None, persistent_grads=persistent_grads,
+                               main_segment=in_segment, from_meta=model.from_meta)
             group.all_names = [e[1] for e in entries]
             group.param_dtype = gspec.dtype
             unit_groups.append(group)
@@ -101,20 +101,12 @@ def build_units(model: PreparedModel, strategy, groups: WrapGroups, world, alloc
         unit = Unit(unit_index, spec.module, spec.fqn, unit_groups)
         unit.mixed_precision = policy
         units.append(unit)
+    built = [group for unit in units for group in unit.groups]
+    compact(built)                                 # main_segment.py: one allocation per main dtype
+    for group in built:
+        if group.main_params is None:
+            group.make_main_params()
     return units
-
-
-def _main_storages(flat: list, comms: list, dtypes: list, strategy, alignment: int, levels, to_host: frozenset,
-                   device: torch.device) -> list:
-    """Per group: the view of the rank's main segment its main shard is built in, or None (its
-    own buffer): main_segment.py, [Note: one segment for the main shards]."""
-    if not shares_main_segment(strategy, hybrid=levels is not None):
-        return [None] * len(flat)
-    requests = []
-    for index, ((_, gspec), comm, dtype) in enumerate(zip(flat, comms, dtypes)):
-        layout = group_layout([e[2].shape for e in gspec.entries], strategy, comm.size, alignment, levels)
-        requests.append(None if index in to_host else (layout.shard_numel, dtype.main))
-    return segment_views(requests, device)
 
 
 def _group_plans(model: PreparedModel, mixed_precision, reduce_root_per_child: bool) -> list:

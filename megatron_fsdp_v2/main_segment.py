@@ -13,10 +13,14 @@ Only ZeRO-3 without hybrid sharding: ZeRO-1/2 and HFSDP refresh a group's comput
 version counter of its main shard moves, and views of one allocation share one counter (a step of
 one group would refresh every group). ZeRO-3 gathers at every use and reads no version.
 
-Cost: the segment exists before the groups copy their values in, so wrapping an eager model holds
-the model and all of this rank's main shards at once (model / dp more than one group at a time;
-from meta nothing more, the parameters are placeholders). Groups moved to the host by a later
-``set_offload`` leave a hole: the others move into a new segment (``compact``).
+How: every group builds its main shard in a buffer of its own, piece by piece from its parameters
+(a ZeRO-3 group then frees them), and once all are built ``compact`` moves them into the segment,
+before the main parameters (possibly DTensors, which cannot be re-pointed) are made. The move holds
+this rank's main shards twice for a moment: 8 bytes per parameter / dp in fp32, below what the
+first step holds (16 / dp) and, for a model wrapped on the device, below the model it started from
+(dp >= 2) or equal to it (dp = 1). From meta there is nothing to move: the groups wait for the
+segment without a buffer, and meta_init.py writes the values into it. Groups ``set_offload`` later moves to the host leave holes:
+``compact`` again moves the others into a new segment.
 """
 
 from __future__ import annotations
@@ -58,11 +62,12 @@ def segment_views(requests: Sequence[Optional[tuple[int, torch.dtype]]],
 
 
 def compact(groups: Sequence) -> None:
-    """Move the main shards still in a segment into a new one without the holes that groups moved
-    to the host left (``set_offload``); the old segment is freed with its last view."""
+    """Move the main shards of the groups marked ``main_in_segment`` into one new segment per dtype
+    (after building; after ``set_offload``, leaving out the groups it moved to the host). What they
+    were in before is freed with its last view."""
     members = [g for g in groups if getattr(g, "main_in_segment", False)]
     if not members:
         return
-    views = segment_views([(g.main_shard.numel(), g.main_shard.dtype) for g in members], members[0].device)
+    views = segment_views([(g.main_numel, g.dtypes.main) for g in members], members[0].device)
     for group, view in zip(members, views):
         group.rehome_main(view)

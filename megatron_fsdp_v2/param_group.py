@@ -39,13 +39,6 @@ from .replicas import gather_blocks
 from .strategy import ShardingStrategy
 
 
-def group_layout(shapes, strategy: ShardingStrategy, dp_size: int, alignment: int, levels=None) -> FlatLayout:
-    """A group's flat layout. HFSDP (``levels``) gathers and reduces block by block over two
-    levels of row-snapped shards; otherwise ZeRO-3 cuts every parameter over every rank."""
-    return build_layout([tuple(shape) for shape in shapes], dp_size, alignment,
-                        per_parameter=strategy.shards_each_parameter and levels is None)
-
-
 class ParamGroup(GroupExport, GroupOffload, GroupReduce):
     """Flat main-weight, model-weight and grad buffers of a list of parameters."""
 
@@ -64,7 +57,8 @@ class ParamGroup(GroupExport, GroupOffload, GroupReduce):
         levels=None,
         offload=None,
         persistent_grads: bool = True,
-        main_storage: Optional[torch.Tensor] = None,
+        main_segment: bool = False,
+        from_meta: bool = False,
     ) -> None:
         self.name = name
         self.params = list(params)
@@ -81,7 +75,9 @@ class ParamGroup(GroupExport, GroupOffload, GroupReduce):
         self.levels = levels
         self.inner_weights: Optional[torch.Tensor] = None     # HFSDP ZeRO-3: this rank's inner shard
         self._inner_grad: Optional[torch.Tensor] = None       # HFSDP: inner-reduced grads awaiting the outer reduce
-        self.layout: FlatLayout = group_layout(self.shapes, strategy, comm.size, alignment, levels)
+        # HFSDP gathers and reduces block by block over two levels of row-snapped shards
+        self.layout: FlatLayout = build_layout([tuple(p.shape) for p in self.params], comm.size, alignment,
+                                               per_parameter=strategy.shards_each_parameter and levels is None)
         # Sharded main weights face the optimizer as RowShardedTensors on this mesh (None: as plain
         # tensors holding this rank's rows, what Megatron's optimizer expects).
         self.mesh = mesh if strategy.optim_sharded else None
@@ -125,13 +121,18 @@ class ParamGroup(GroupExport, GroupOffload, GroupReduce):
         grads_numel = self.layout.shard_numel if strategy.grads_sharded else self.layout.total_numel
         self.grads = GradBuffer(grads_numel, dtypes.grad, device)
         self.grads.persistent = persistent_grads
-        self._init_buffers(offload, main_storage)
+        self.main_locals: list[torch.Tensor] = []
+        self.main_params: Optional[list] = None
+        self._init_buffers(offload, main_segment, from_meta)
 
     # ------------------------------------------------------------------ construction
-    def _init_buffers(self, offload=None, main_storage: Optional[torch.Tensor] = None) -> None:
+    def _init_buffers(self, offload=None, main_segment: bool = False, from_meta: bool = False) -> None:
         dt = self.dtypes
-        self.main_shard = self._own_main_values(main_storage)
-        self.main_in_segment = main_storage is not None
+        # main_segment: the main shard moves into the rank's main segment once every group is built
+        # (main_segment.py); the main parameters are made after that move (``make_main_params``).
+        # From meta the values come later (meta_init.py): no buffer before the segment's.
+        self.main_in_segment = main_segment and offload is None
+        self.main_shard = None if self.main_in_segment and from_meta else self._own_main_values()
         self.compute_weights_are_main_weights = not self.strategy.optim_sharded and dt.compute == dt.main
         if offload is not None:          # main shard to the host (group_offload.py)
             self.offload_main(offload)
@@ -153,10 +154,8 @@ class ParamGroup(GroupExport, GroupOffload, GroupReduce):
             if not self.compute_weights_are_main_weights:
                 self.rebuild_compute_weights(async_op=False)
 
-        # main_locals: this rank's pieces as plain tensors (what the engine reads and writes);
-        # main_params: the same memory as the optimizer sees it.
-        self.main_locals: list[torch.Tensor] = []
-        self.main_params = [self._make_main_param(i) for i in range(len(self.params))]
+        if not self.main_in_segment:
+            self.make_main_params()
         # ZeRO-2/3 without persistent grads: no buffer until the first reduce lands in a new one, as
         # after zero_grad(set_to_none=True) and as FSDP2 (a zeroed shard held from here would sit
         # through the first forward, and the first reduce would need a temporary beside it). An
@@ -165,12 +164,17 @@ class ParamGroup(GroupExport, GroupOffload, GroupReduce):
                                    or (self.grads.persistent and self.offloaded is None)):
             self._ensure_grads()
 
-    def _own_main_values(self, storage: Optional[torch.Tensor]) -> torch.Tensor:
-        """This rank's main weights (its shard, or the whole buffer) taken from the parameters,
-        written into ``storage`` (a view of the rank's main segment, main_segment.py) or a new
-        buffer; padding is zero. Built piece by piece: no full-size temporary of the group."""
-        numel = self.layout.shard_numel if self.strategy.optim_sharded else self.layout.total_numel
-        main = storage if storage is not None else torch.empty(numel, dtype=self.dtypes.main, device=self.device)
+    def make_main_params(self) -> None:
+        """main_locals: this rank's pieces as plain tensors (what the engine reads and writes);
+        main_params: the same memory as the optimizer sees it (DTensors can not be re-pointed
+        later, so they are made where the main shard stays)."""
+        self.main_locals = []
+        self.main_params = [self._make_main_param(i) for i in range(len(self.params))]
+
+    def _own_main_values(self) -> torch.Tensor:
+        """This rank's main weights (its shard, or the whole buffer) taken from the parameters in
+        a new buffer; padding is zero. Built piece by piece: no full-size temporary of the group."""
+        main = torch.empty(self.main_numel, dtype=self.dtypes.main, device=self.device)
         with torch.no_grad():
             main.zero_()
             for index, param in enumerate(self.params):
@@ -178,17 +182,26 @@ class ParamGroup(GroupExport, GroupOffload, GroupReduce):
                 piece.copy_(self._own_values(index, param).view(piece.shape))
         return main
 
+    @property
+    def main_numel(self) -> int:
+        """Elements of the main weights: the shard, or (not ``optim_sharded``) the whole buffer."""
+        return self.layout.shard_numel if self.strategy.optim_sharded else self.layout.total_numel
+
     def rehome_main(self, storage: torch.Tensor) -> None:
-        """Move the main weights into ``storage`` (same numel and dtype) and point the main
-        parameters there (their ``.data``: plain-tensor main parameters only)."""
+        """Move the main weights into ``storage`` (``main_numel`` elements of the main dtype; zeros
+        if there were none yet) and point the main parameters, if made, there (their ``.data``:
+        plain-tensor main parameters only)."""
         with torch.no_grad():
-            storage.copy_(self.main_shard)
+            if self.main_shard is None:
+                storage.zero_()
+            else:
+                storage.copy_(self.main_shard)
         self._point_main_at(storage)
 
     def _point_main_at(self, main: torch.Tensor) -> None:
         """``main`` is the main weights from now on; main parameters already made view it."""
         self.main_shard = main
-        if getattr(self, "main_params", None) is None:
+        if self.main_params is None:
             return
         self.main_locals = [self._main_view(main, i) for i in range(len(self.params))]
         with torch.no_grad():

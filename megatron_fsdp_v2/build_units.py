@@ -21,6 +21,7 @@ from .mixed_precision import full_precision_param_ids, resolve_dtypes
 from .nested import absorb_wrapped_submodules
 from .offload import HostLink, choose_offloaded, offload_choice_bytes
 from .optimizer_hook import mark_replaced
+from .grad_buffer import reserve_gradient_segment
 from .main_segment import compact, shares_main_segment
 from .param_group import ParamGroup
 from .row_sharded import mesh_of_group
@@ -70,7 +71,8 @@ def build_units(model: PreparedModel, strategy, groups: WrapGroups, world, alloc
                 dtensor_params: bool, offload, persistent_grads: bool, reduce_root_per_child: bool) -> list[Unit]:
     """Every unit with its ParamGroups (buffers laid out, main parameters made), the root first.
     ZeRO-3's main shards are built one group at a time (each group's parameters freed as it is
-    built) and then moved into one allocation (main_segment.py) before the main parameters are made."""
+    built) and then moved into one allocation (main_segment.py) before the main parameters are
+    made; the gradient buffers to come get one segment of their pool (grad_buffer.py)."""
     device = model.device
     shard_comm = world if world is not None else groups.comm   # HFSDP: main weights sharded over the world
     mesh = mesh_of_group(shard_comm.group, device) if dtensor_params and strategy.optim_sharded else None
@@ -106,6 +108,7 @@ def build_units(model: PreparedModel, strategy, groups: WrapGroups, world, alloc
     for group in built:
         if group.main_params is None:
             group.make_main_params()
+    reserve_gradient_segment([g.grads for g in built if g.grads_allocated_later], device)
     return units
 
 

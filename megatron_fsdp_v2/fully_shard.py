@@ -21,6 +21,7 @@ from .build_units import build_units, initialize_units_from_meta, prepare_model
 from .checkpoint.state_dict import load_model_state_dict, model_state_dict
 from .engine import Engine
 from .experts import expert_names_refusal
+from .grad_buffer import reserve_gradient_segment
 from .main_segment import compact
 from .layout import default_alignment  # noqa: F401  (fully_shard.default_alignment, as before)
 from .mixed_precision import MixedPrecisionPolicy
@@ -238,6 +239,9 @@ class FullyShardedModule:
             engine.groups[index].offload_main(link)
         if left_segment:
             compact(engine.groups)
+        if chosen:        # fewer gradient buffers on the device than the wrap reserved for
+            reserve_gradient_segment([g.grads for g in engine.groups if g.grads_allocated_later],
+                                     engine.groups[0].device, replace=True)
         install_backward_steps(engine, offload)
         release_shards_after_gathers(engine.units, offload)
 

@@ -23,6 +23,18 @@ their own is current (``gradient_pool_stream``): their blocks form a pool that o
 buffers reuse, of exactly their sizes. The buffer is used on the stream current at ``ensure``
 (its zeroing runs there), and ``record_stream`` on that stream keeps a freed block from being
 handed out before that stream's queued work on it is done.
+
+[Note: one segment for the gradient pool]
+A gradient buffer a little under a multiple of the allocator's 2 MiB segment rounding would get a
+segment of its own whose remainder, under the 1 MiB split threshold, stays in its block and counts
+as allocated (main_segment.py says the same of the main shards; FSDP2's reduce-scatter outputs pay
+it: 3 x 1.02 MB on its memory-test model at world 1). So once a model is wrapped, one block as
+large as all its device gradient buffers together (plus the split threshold) is allocated in the
+gradient pool and freed at once (``reserve_gradient_segment``): the segment stays cached, and every
+gradient buffer is then split from it at its exact size, in every step. It costs, at the wrap,
+that many bytes for a moment (below the first step's), and from the wrap on, that many bytes
+reserved in the pool, which the first backward would have reserved anyway. ``empty_cache`` gives
+the segment back; the buffers then take segments of their own again.
 """
 
 from __future__ import annotations
@@ -32,7 +44,7 @@ from typing import Dict, Optional
 
 import torch
 
-__all__ = ["GradBuffer", "gradient_pool_stream"]
+__all__ = ["GradBuffer", "gradient_pool_stream", "reserve_gradient_segment"]
 
 _POOL_STREAMS: Dict[torch.device, object] = {}
 
@@ -64,6 +76,29 @@ def zeroed_from_pool(numel: int, dtype: torch.dtype, device: torch.device) -> to
         buffer = torch.empty(numel, dtype=dtype, device=device)
     buffer.record_stream(module.current_stream(device))
     return buffer.zero_()
+
+
+_BLOCK_ALIGN = 512            # the caching allocator rounds every block up to this
+_SPLIT_THRESHOLD = 1 << 20    # a larger block's remainder above this is split off as free
+
+
+def reserve_gradient_segment(buffers: list, device: torch.device, replace: bool = False) -> None:
+    """Leave one cached segment in ``device``'s gradient pool that ``buffers`` (GradBuffers not
+    yet allocated) fit in together ([Note: one segment for the gradient pool]). ``replace``: give
+    the device's unused cached memory back first (after ``set_offload`` moved gradients to the
+    host, the segment reserved at the wrap is too large). No-op on CPU."""
+    pool = gradient_pool_stream(device)
+    if pool is None:
+        return
+    module = torch.get_device_module(device)
+    if replace and hasattr(module, "empty_cache"):
+        module.empty_cache()
+    if not buffers:
+        return
+    nbytes = sum(-(-b.numel * b.dtype.itemsize // _BLOCK_ALIGN) * _BLOCK_ALIGN for b in buffers)
+    with module.stream(pool):
+        block = torch.empty(nbytes + _SPLIT_THRESHOLD + _BLOCK_ALIGN, dtype=torch.uint8, device=device)
+    del block
 
 
 class GradBuffer:

@@ -183,6 +183,12 @@ class ParamGroup(GroupExport, GroupOffload, GroupReduce):
         return main
 
     @property
+    def grads_allocated_later(self) -> bool:
+        """Whether this group's device gradient buffer is made by a later backward (not yet
+        allocated; not on the host)."""
+        return self.requires_grad and self.offloaded is None and self.grads.live() is None
+
+    @property
     def main_numel(self) -> int:
         """Elements of the main weights: the shard, or (not ``optim_sharded``) the whole buffer."""
         return self.layout.shard_numel if self.strategy.optim_sharded else self.layout.total_numel

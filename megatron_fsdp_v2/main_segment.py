@@ -33,18 +33,18 @@ from .strategy import ShardingStrategy
 
 __all__ = ["compact", "segment_views", "shares_main_segment"]
 
-_ALIGN_BYTES = 512          # the caching allocator's block alignment: every view starts on one
-
-
 def shares_main_segment(strategy: ShardingStrategy, hybrid: bool) -> bool:
     """Whether this strategy's device main shards come from one segment (see the Note)."""
     return strategy.weights_sharded and not hybrid
 
 
-def segment_views(requests: Sequence[Optional[tuple[int, torch.dtype]]],
-                  device: torch.device) -> list[Optional[torch.Tensor]]:
+def segment_views(requests: Sequence[Optional[tuple[int, torch.dtype]]], device: torch.device,
+                  alignment: int = 1) -> list[Optional[torch.Tensor]]:
     """For each ``(numel, dtype)`` request a 1-D view of one allocation per dtype (None for None),
-    each view starting on a 512-byte boundary. Contents are undefined."""
+    each starting at a multiple of ``alignment`` elements (the layout's, layout.default_alignment:
+    where a buffer of its own would put it for the kernels). A shard is a whole number of
+    alignment units except at dp 1, so the views are back to back but for that. Contents are
+    undefined."""
     offsets: list[Optional[int]] = []
     ends: dict = {}
     for request in requests:
@@ -52,10 +52,8 @@ def segment_views(requests: Sequence[Optional[tuple[int, torch.dtype]]],
             offsets.append(None)
             continue
         numel, dtype = request
-        align = max(1, _ALIGN_BYTES // torch.empty((), dtype=dtype).element_size())
-        start = -(-ends.get(dtype, 0) // align) * align
-        offsets.append(start)
-        ends[dtype] = start + numel
+        offsets.append(-(-ends.get(dtype, 0) // alignment) * alignment)
+        ends[dtype] = offsets[-1] + numel
     segments = {dtype: torch.empty(end, dtype=dtype, device=device) for dtype, end in ends.items()}
     return [None if request is None else segments[request[1]][start:start + request[0]]
             for request, start in zip(requests, offsets)]
@@ -68,6 +66,7 @@ def compact(groups: Sequence) -> None:
     members = [g for g in groups if getattr(g, "main_in_segment", False)]
     if not members:
         return
-    views = segment_views([(g.main_numel, g.dtypes.main) for g in members], members[0].device)
+    views = segment_views([(g.main_numel, g.dtypes.main) for g in members], members[0].device,
+                          members[0].layout.alignment)
     for group, view in zip(members, views):
         group.rehome_main(view)

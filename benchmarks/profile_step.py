@@ -4,7 +4,8 @@
 
 Prints, per system: median step time, the GPU-busy time per step (sum of kernel time), the
 host-side time per step spent in our hooks vs everything else, and the top kernels. Used to explain
-where our step time differs from FSDP2's (docs/benchmarks.md).
+where our step time differs from FSDP2's (docs/benchmarks.md). ``PROFILE_SYNC_STACKS=1`` also prints
+the Python stacks of every CUDA synchronize the host makes in two steps.
 """
 
 from __future__ import annotations
@@ -80,6 +81,23 @@ def _thread_timeline(built) -> None:
     steps.timeline = None
 
 
+def _sync_stacks(built, steps: int = 2) -> None:
+    """Where the host waits for the device: the Python stacks of every CUDA synchronize (stream,
+    event, device) in ``steps`` steps, by count (``PROFILE_SYNC_STACKS=1``)."""
+    with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
+        for _ in range(steps):
+            built.fwd_bwd(); built.opt_step(); built.zero_grad()
+        torch.cuda.synchronize()
+    rows = [e for e in prof.key_averages(group_by_stack_n=10) if "Synchronize" in e.key]
+    rows.sort(key=lambda e: -e.count)
+    print(f"host waits for the device in {steps} steps (calls, self CPU ms, stack):")
+    for e in rows[:8]:
+        frames = [f for f in e.stack if "torch/" not in f or "megatron_fsdp_v2" in f][:6]
+        print(f"  {e.key} x{e.count}, {e.self_cpu_time_total / 1e3:.1f} ms")
+        for frame in frames:
+            print(f"      {frame}")
+
+
 def main() -> int:
     args = B.parse_args(sys.argv[1:] + ["--warmup", "3"])
     B.quiet_libraries(args.verbose)
@@ -112,6 +130,8 @@ def main() -> int:
             print(f"phases of {system.name} (ms, synchronized after each; median of 3): "
                   + ", ".join(f"{k} {v:.1f}" for k, v in _phase_times(built).items()), flush=True)
             _thread_timeline(built)
+            if os.environ.get("PROFILE_SYNC_STACKS") == "1":
+                _sync_stacks(built)
             B.release_autograd_hooks(*built.keep)
             del built
             B.cleanup(ctx)

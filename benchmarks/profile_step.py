@@ -88,14 +88,26 @@ def _sync_stacks(built, steps: int = 2) -> None:
         for _ in range(steps):
             built.fwd_bwd(); built.opt_step(); built.zero_grad()
         torch.cuda.synchronize()
-    rows = [e for e in prof.key_averages(group_by_stack_n=10) if "Synchronize" in e.key]
+    rows = [e for e in prof.key_averages(group_by_stack_n=12) if "Synchronize" in e.key]
     rows.sort(key=lambda e: -e.count)
     print(f"host waits for the device in {steps} steps (calls, self CPU ms, stack):")
     for e in rows[:8]:
-        frames = [f for f in e.stack if "torch/" not in f or "megatron_fsdp_v2" in f][:6]
         print(f"  {e.key} x{e.count}, {e.self_cpu_time_total / 1e3:.1f} ms")
-        for frame in frames:
+        for frame in list(e.stack)[:12]:
             print(f"      {frame}")
+    parents = {}
+    for event in prof.events():
+        if "Synchronize" not in event.name:
+            continue
+        chain, up = [], event.cpu_parent
+        while up is not None and len(chain) < 6:
+            chain.append(up.name)
+            up = up.cpu_parent
+        key = (event.name, " < ".join(chain))
+        parents[key] = parents.get(key, 0) + 1
+    print("the same by enclosing profiled ops (innermost first):")
+    for (name, chain), count in sorted(parents.items(), key=lambda kv: -kv[1])[:10]:
+        print(f"  {name} x{count}: {chain or '(no enclosing op)'}")
 
 
 def main() -> int:

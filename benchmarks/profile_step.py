@@ -108,6 +108,47 @@ def _sync_stacks(built, steps: int = 2) -> None:
     print("the same by enclosing profiled ops (innermost first):")
     for (name, chain), count in sorted(parents.items(), key=lambda kv: -kv[1])[:10]:
         print(f"  {name} x{count}: {chain or '(no enclosing op)'}")
+    _cross_device_copies(built)
+
+
+def _cross_device_copies(built) -> None:
+    """Python stacks of the ``Tensor.to`` / ``copy_`` / ``cpu`` calls between devices in one step
+    (the profiler records no Python stack on other threads, where the stepping thread runs)."""
+    import collections
+    import traceback
+    seen = collections.Counter()
+    originals = {name: getattr(torch.Tensor, name) for name in ("to", "copy_", "cpu", "item", "tolist")}
+
+    def spy(name):
+        original = originals[name]
+
+        def wrapper(self, *args, **kwargs):
+            out = original(self, *args, **kwargs)
+            other = args[0] if name == "copy_" and args else out
+            crossing = name in ("item", "tolist", "cpu") or (
+                torch.is_tensor(other) and other.device.type != self.device.type)
+            if crossing and (self.device.type == "cuda" or (torch.is_tensor(other) and other.device.type == "cuda")):
+                frames = [f"{os.path.basename(f.filename)}:{f.lineno}:{f.name}"
+                          for f in traceback.extract_stack()[-7:-1]]
+                seen[(name, threading_name(), " < ".join(reversed(frames)))] += 1
+            return out
+        return wrapper
+
+    def threading_name():
+        import threading
+        return threading.current_thread().name
+
+    for name in originals:
+        setattr(torch.Tensor, name, spy(name))
+    try:
+        built.fwd_bwd(); built.opt_step(); built.zero_grad()
+        torch.cuda.synchronize()
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+    print("host <-> device copies and reads from Python in one step (calls, thread, stack innermost first):")
+    for (name, thread, stack), count in seen.most_common(10):
+        print(f"  {name} x{count} [{thread}]: {stack}")
 
 
 def main() -> int:

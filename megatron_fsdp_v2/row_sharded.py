@@ -417,7 +417,11 @@ def row_sharded(local: torch.Tensor, mesh: DeviceMesh, shape: Sequence[int], row
     ``[rows_here, *shape[1:]]``; shared, not copied)."""
     shape = torch.Size(shape)
     stride = torch.empty(shape, device="meta").stride()
-    spec = DTensor.from_local(local.detach(), mesh, [Shard(0)], run_check=False, shape=shape, stride=stride)._spec
+    # the spec from a meta stand-in: from_local moves a local on another device type than the
+    # mesh's (an offloaded group's host piece) to the mesh's device, a full synchronous copy per
+    # call, and the spec needs only shape, stride and dtype
+    stand_in = torch.empty(local.shape, dtype=local.dtype, device="meta")
+    spec = DTensor.from_local(stand_in, mesh, [Shard(0)], run_check=False, shape=shape, stride=stride)._spec
     tensor = _wrap(local, spec, tuple(row_splits), requires_grad)
     _check_dispatch_reaches_subclass(tensor)
     return tensor

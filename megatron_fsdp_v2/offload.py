@@ -264,6 +264,12 @@ class OffloadedGroup:
                 with torch.no_grad():
                     then()
 
+    def wait_landed(self) -> None:
+        """The calling host thread waits for the gradient copies in flight (applying nothing: any
+        thread may wait while another flushes; ``flush`` then finds them done)."""
+        for event, _ in list(self._pending):
+            self.link.host_waits(event)
+
     def flush(self) -> None:
         """Make ``grad`` final on the host: wait for the copies, apply the pending additions (a
         buffer nothing landed in since ``zero`` is zeroed now)."""

@@ -250,6 +250,10 @@ class BackwardSteps:
     def _attach_handed(self, group, unused_grads_are_none: bool) -> "_Attached":
         """Wait for a handed-over group's gradients to land and attach them, once per backward
         (whichever of the thread and the end of backward comes first)."""
+        # wait outside the lock: the end of backward attaching one group must not hold the thread
+        # back from another whose gradients landed already (before, the thread waited on the lock
+        # while the end of backward waited for the last groups' copies: a 120 ms stall at 941M)
+        group.offloaded.wait_landed()
         with self._attach_lock:
             record = self._attached.get(id(group))
             if record is None:

@@ -250,3 +250,53 @@ def test_grads_are_attached_and_final_when_backward_returns():
         want, got = result[None], result[1.0]
         assert len(got) == len(want) and all(g is not None for g in got), [g is None for g in got]
         assert all(torch.equal(g, w) for g, w in zip(got, want)), [torch.equal(g, w) for g, w in zip(got, want)]
+
+
+class _CopyInFlight:
+    """Stands in for a device event of a gradient copy: ``synchronize`` blocks until released."""
+
+    def __init__(self) -> None:
+        import threading
+        self.waiting, self.done = threading.Event(), threading.Event()
+
+    def synchronize(self) -> None:
+        self.waiting.set()
+        self.done.wait(10)
+
+
+class _Landing:
+    """A handed-over group as BackwardSteps sees it: an offloaded group with a copy in flight."""
+
+    def __init__(self, link) -> None:
+        from megatron_fsdp_v2.offload import OffloadedGroup
+        self.offloaded = OffloadedGroup(link, 4, torch.float32, 0, torch.float32)
+        self.main_params = []
+
+    def attach_main_grads(self, none_if_unused: bool) -> None:
+        pass
+
+
+def test_a_group_whose_copy_landed_attaches_while_another_still_waits():
+    # The end of backward attaches every handed-over group; waiting for one group's copy while
+    # holding the attach lock kept the stepping thread from a group whose copy had landed long
+    # before (941M GPT, f = 1: layer 14 "landed" 120 ms late, the rest at once after it).
+    import threading
+    from megatron_fsdp_v2.offload import HostLink
+    from megatron_fsdp_v2.offload_steps import BackwardSteps
+    link = HostLink(torch.device("cpu"), OffloadPolicy(fraction=1.0))
+    steps = BackwardSteps(link)
+    slow, landed = _Landing(link), _Landing(link)
+    copy = _CopyInFlight()
+    slow.offloaded._pending.append((copy, None))
+    waiter = threading.Thread(target=steps._attach_handed, args=(slow, False))
+    waiter.start()
+    assert copy.waiting.wait(10)
+    attached = threading.Event()
+    other = threading.Thread(target=lambda: (steps._attach_handed(landed, False), attached.set()))
+    other.start()
+    assert attached.wait(5), "a landed group waited for another group's copy"
+    assert id(landed) in steps._attached and id(slow) not in steps._attached
+    copy.done.set()
+    waiter.join(10)
+    other.join(10)
+    assert set(steps._attached) == {id(slow), id(landed)}

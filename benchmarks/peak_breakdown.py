@@ -612,14 +612,14 @@ def parse_args(argv=None) -> Tuple[argparse.Namespace, argparse.Namespace]:
     p.add_argument("--max-entries", type=int, default=200000, help="memory-history ring buffer (default 200000)")
     p.add_argument("--top", type=int, default=15, help="largest allocations kept per system (default 15)")
     opts, rest = p.parse_known_args(argv)
-    if opts.warmup < 1:
-        p.error("--warmup must be >= 1")
+    if opts.warmup < 0:
+        p.error("--warmup must be >= 0 (0: trace the first step)")
     if any(a == "--nproc" or a.startswith("--nproc=") for a in rest):
         p.error("--nproc is not supported: use --fake-world-size N for rank 0 of an N-way job")
     sys.path.insert(0, str(HERE))
     import bench_gpt as B
 
-    bench_args = B.parse_args(rest + ["--systems", opts.systems, "--warmup", str(opts.warmup), "--steps", "1",
+    bench_args = B.parse_args(rest + ["--systems", opts.systems, "--warmup", str(max(opts.warmup, 1)), "--steps", "1",
                                       "--out", "", "--json", "", "--png", ""])
     return opts, bench_args
 

@@ -204,7 +204,7 @@ class Engine:
             return output
         if not self.phase.is_(Phase.BACKWARD):   # recomputation inside backward keeps weights
             unit.reshard()
-            if torch.is_grad_enabled() and self.forward_order.neighbour(unit, +1) is None:
+            if torch.is_grad_enabled() and self.forward_order.is_last(unit):
                 unit.prefetch_uploads()           # (offload) the first unit of backward, its shard again
         self._register_pre_backward(unit, output, record)
         return output

@@ -26,6 +26,11 @@ class ForwardOrder:
         if self.units:
             self.frozen = True
 
+    def is_last(self, unit) -> bool:
+        """Whether ``unit`` ran last in the recorded forward (False before it is recorded: during
+        the first forward every unit would look last)."""
+        return self.frozen and unit in self.units and self.units[-1] is unit
+
     def neighbour(self, unit, step: int):
         if not self.frozen or unit not in self.units:
             return None

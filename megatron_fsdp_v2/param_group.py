@@ -421,8 +421,10 @@ class ParamGroup(GroupExport, GroupOffload, GroupReduce):
     def reduce_frees_memory(self) -> bool:
         """ZeRO-2/3: whether reducing now takes less memory than keeping the gradients held until
         the end of backward (the reduced shard, in the grad dtype, is smaller than the gradients
-        held in the compute dtype): a bf16 group reducing into fp32 at one or two ranks does not."""
-        if not self.strategy.grads_sharded:
+        held in the compute dtype): a bf16 group reducing into fp32 at one or two ranks does not.
+        An offloaded group's reduced gradients go to the host: reducing frees what it holds (and
+        its CPU step can begin; a GPT's output layer then steps while the blocks' backward runs)."""
+        if not self.strategy.grads_sharded or self.offloaded is not None:
             return True
         held = sum(self.layout.numels) * self.dtypes.compute.itemsize
         return self.layout.shard_numel * self.dtypes.grad.itemsize < held

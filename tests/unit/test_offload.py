@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 from hypothesis import given, settings, strategies as st
 
-from megatron_fsdp_v2 import STRATEGY_NAMES, OffloadPolicy, fully_shard, load_checkpoint, save_checkpoint
+from megatron_fsdp_v2 import (STRATEGY_NAMES, MixedPrecisionPolicy, OffloadPolicy, fully_shard, load_checkpoint,
+                              save_checkpoint)
 from megatron_fsdp_v2.offload import choose_offloaded
 
 from .dist_utils import run_distributed
@@ -271,3 +272,30 @@ def test_a_host_piece_faces_the_optimizer_without_a_copy_to_the_device():
     # GPT at f = 1, found with benchmarks/profile_step.py PROFILE_SYNC_STACKS=1).
     moved, shared, shape = run_distributed(_host_piece_copies, 1)[0]
     assert moved == [] and shared and shape == (3, 4)
+
+
+def _head_reduced_early(rank, world, fraction):
+    torch.manual_seed(0)
+    offload = OffloadPolicy(fraction=fraction) if fraction else None
+    model = fully_shard(UnevenNet(), sharding_strategy="optim_grads_params", unit_modules=[Block],
+                        reduce_root_per_child=True, offload=offload,
+                        mixed_precision=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    units = model._fsdp_engine.units
+    head = next(g for g in units[0].groups if "/head/" in g.name)
+    holds = []
+    units[-1].groups[0].params[0].register_post_accumulate_grad_hook(
+        lambda p: holds.append(head.holds_unreduced_grads))
+    x, y = make_batches(0, rank, 1)[0]
+    loss_fn(model(x.bfloat16()).float(), y).backward()
+    return holds, head.offloaded is not None
+
+
+def test_an_offloaded_root_group_reduces_as_soon_as_its_gradients_are_complete():
+    # At one rank a bf16 root group's fp32 reduced shard is larger than the bf16 gradients it
+    # holds, so it reduces at the end of backward; offloaded, its shard goes to the host, so it
+    # reduces (and steps on the thread) at once: the head's gradients are gone by the time the
+    # last block's first gradient arrives.
+    (plain,) = run_distributed(_head_reduced_early, 1, 0.0)
+    (offloaded,) = run_distributed(_head_reduced_early, 1, 1.0)
+    assert plain == ([True], False)
+    assert offloaded == ([False], True)

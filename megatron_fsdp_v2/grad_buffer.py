@@ -33,8 +33,15 @@ large as all its device gradient buffers together (plus the split threshold) is 
 gradient pool and freed at once (``reserve_gradient_segment``): the segment stays cached, and every
 gradient buffer is then split from it at its exact size, in every step. It costs, at the wrap,
 that many bytes for a moment (below the first step's), and from the wrap on, that many bytes
-reserved in the pool, which the first backward would have reserved anyway. ``empty_cache`` gives
-the segment back; the buffers then take segments of their own again.
+reserved in the pool, which the first backward would have reserved anyway. ``empty_cache`` (or
+the allocator freeing cached memory under pressure before the first gradient) gives the segment
+back; the buffers then take segments of their own again.
+
+Only for gradients of at most 1/64 of the device's memory: once a backward's first buffer is split
+from the segment, the part the later groups will take stays reserved until they do, where buffers
+of their own would leave it to the activations until then. Near the memory limit (the largest
+model that trains) that could cost more than the at most 1 MiB per buffer it saves, which is what
+matters for small groups; at 1/64 the most it can cost is 2.2 GB of an H200's 141.
 """
 
 from __future__ import annotations
@@ -80,6 +87,15 @@ def zeroed_from_pool(numel: int, dtype: torch.dtype, device: torch.device) -> to
 
 _BLOCK_ALIGN = 512            # the caching allocator rounds every block up to this
 _SPLIT_THRESHOLD = 1 << 20    # a larger block's remainder above this is split off as free
+_MAX_SHARE = 64               # reserve a segment for gradients of at most 1/64 of the device's memory
+
+
+def _device_bytes(module, device: torch.device) -> int:
+    """The device's total memory (0 where the device module does not say: nothing is reserved)."""
+    try:
+        return int(module.get_device_properties(device).total_memory)
+    except (AttributeError, RuntimeError, AssertionError):
+        return 0
 
 
 def reserve_gradient_segment(buffers: list, device: torch.device, replace: bool = False) -> None:
@@ -93,9 +109,9 @@ def reserve_gradient_segment(buffers: list, device: torch.device, replace: bool 
     module = torch.get_device_module(device)
     if replace and hasattr(module, "empty_cache"):
         module.empty_cache()
-    if not buffers:
-        return
     nbytes = sum(-(-b.numel * b.dtype.itemsize // _BLOCK_ALIGN) * _BLOCK_ALIGN for b in buffers)
+    if not nbytes or nbytes > _device_bytes(module, device) // _MAX_SHARE:
+        return
     with module.stream(pool):
         block = torch.empty(nbytes + _SPLIT_THRESHOLD + _BLOCK_ALIGN, dtype=torch.uint8, device=device)
     del block

@@ -78,12 +78,14 @@ class GroupOffload:
 
     @property
     def uploads_when_stepped_in_backward(self) -> bool:
-        """ZeRO-3 (flat, compute shard kept): a group stepped during backward is gathered no more
-        before the next forward, so its new weights can go up at once, behind the rest of
-        backward, instead of after ``optimizer.step()`` (offload_steps.py)."""
+        """ZeRO-3 (flat): a group stepped during backward is gathered no more before the next
+        forward, so its new weights can go up at once, behind the rest of backward, instead of
+        after ``optimizer.step()`` (offload_steps.py). With ``release_after_gather`` too: a non-root
+        unit's shard then comes back as the backward frees activations, past the peak at its start;
+        the root's (released at the start of backward, where the peak is) goes up after the step."""
         offloaded = self.offloaded
         return (offloaded is not None and self.strategy.weights_sharded and self.levels is None
-                and not offloaded.release_after_gather and not offloaded.release_after_backward_gather)
+                and not offloaded.release_after_backward_gather)
 
     def after_backward_gather(self) -> None:
         """The root's gather at the start of backward read its compute shards: with

@@ -13,7 +13,8 @@ Per step and offloaded trainable group ([Note: offload by fraction]):
   the uploads are issued together after the step). With ``step_in_backward`` ZeRO-3 uploads each
   group from the stepping thread during backward instead, one at a time (``backward_upload_transient``):
   the root's at the end of backward, once the activations are gone, or, with
-  ``reduce_root_per_child``, the output layer's at its start.
+  ``reduce_root_per_child``, the output layer's at its start (with ``release_after_gather`` the
+  root's after the step).
 """
 
 from __future__ import annotations

@@ -79,8 +79,10 @@ class _Job:
     persistent_grads: bool
     activation_bytes: Optional[int]
     buffers: list
-    uploads_in_backward: bool = False     # OffloadPolicy(step_in_backward=True), shards kept
-    reduce_root_per_child: bool = False   # with uploads in backward: the output layer's group uploads at its start
+    uploads_in_backward: bool = False     # OffloadPolicy(step_in_backward=True)
+    # with uploads in backward, the root's groups too (reduce_root_per_child, shards kept: the output
+    # layer's at the start of backward; with release_after_gather the root's go up after the step)
+    root_uploads_in_backward: bool = False
 
 
 def _candidate(units: list, strategy: ShardingStrategy, shape, world_size: int, fraction, job: _Job) -> StrategyPlan:
@@ -96,7 +98,7 @@ def _candidate(units: list, strategy: ShardingStrategy, shape, world_size: int, 
                                                    else 0 for g in groups]
     accumulation = sum(full_grads[i] for i in offloaded) if full_grads else 0
     temporaries["peak"] += accumulation          # offloaded DDP/ZeRO-1: the device buffer lands on the host
-    root_groups = 0 if job.reduce_root_per_child else sum(len(u.groups) for u in units if u.is_root)
+    root_groups = 0 if job.root_uploads_in_backward else sum(len(u.groups) for u in units if u.is_root)
     phases = step_phases(units, strategy, inner, max(ranks, key=lambda r: r["total"]), k, job.persistent_grads,
                          upload_transients(groups, offloaded, strategy), accumulation,
                          backward_upload_transient(groups, offloaded, strategy, root_groups, job.uploads_in_backward))
@@ -119,8 +121,8 @@ def plan_candidates(module: nn.Module, strategies, world_size: int, hybrid_shape
         raise TypeError(f"persistent_grads must be True or False, got {persistent_grads!r}.")
     job = _Job(optimizer, micro_batches, persistent_grads, check_activation_bytes(activation_bytes),
                _buffer_bytes(module) if broadcast_buffers else [],
-               isinstance(offload, OffloadPolicy) and offload.step_in_backward and not offload.release_after_gather,
-               reduce_root_per_child)
+               isinstance(offload, OffloadPolicy) and offload.step_in_backward,
+               reduce_root_per_child and not (isinstance(offload, OffloadPolicy) and offload.release_after_gather))
     alignment = default_alignment(torch.device(device))
     out = []
     for shape in _shapes(world_size, hybrid_shape):

@@ -300,3 +300,32 @@ def test_a_group_whose_copy_landed_attaches_while_another_still_waits():
     waiter.join(10)
     other.join(10)
     assert set(steps._attached) == {id(slow), id(landed)}
+
+
+def release_worker(rank, world_size):
+    out = {}
+    for release in (None, False, True):
+        torch.manual_seed(0)
+        offload = None if release is None else OffloadPolicy(fraction=1.0, step_in_backward=True,
+                                                               release_after_gather=release)
+        model = fully_shard(UnevenNet(), sharding_strategy="optim_grads_params", unit_modules=[Block],
+                            offload=offload)
+        opt = _optimizer(model, "adamw")
+        _train(model, opt, rank)
+        steps = model._fsdp_engine.backward_steps
+        out[release] = (model.full_state_dict(), steps.groups_stepped if steps else 0,
+                        steps.groups_uploaded if steps else 0)
+    return out
+
+
+def test_released_shards_come_back_from_the_thread_except_the_roots():
+    # With release_after_gather a non-root unit's compute shard goes up as soon as the thread
+    # stepped it (behind backward, past its peak), not after optimizer.step(); the root's, freed at
+    # the start of backward where the peak is, after the step. Steps 2 and 3: 3 blocks + the root.
+    for result in run_distributed(release_worker, 2):
+        want = result[None][0]
+        for release in (False, True):
+            got, stepped, uploaded = result[release]
+            assert all(torch.equal(got[n], want[n]) for n in want), release
+            assert stepped == 2 * 4, (release, stepped)
+        assert result[False][2] == 2 * 4 and result[True][2] == 2 * 3, (result[False][2], result[True][2])

@@ -237,8 +237,9 @@ def _largest_non_root_main_shard(rank, world_size, out=5, per_child=False) -> tu
 def test_uploads_during_backward_add_one_groups_main_dtype_copy_to_backward():
     """``OffloadPolicy(step_in_backward=True)``: ZeRO-3 uploads each non-root group the host thread
     stepped during backward, one at a time, casting on the device from a main-dtype (fp32) copy of
-    the group's shard: backward holds the largest such copy (offload_steps.py). Not with
-    ``release_after_gather`` (uploads after the step) nor for ZeRO-1 (refresh after the step)."""
+    the group's shard: backward holds the largest such copy (offload_steps.py), with
+    ``release_after_gather`` too (the released shards come back from the thread). Not for ZeRO-1
+    (refresh after the step)."""
     with torch.device("meta"):
         model = UnevenNet()
     kwargs = dict(world_size=2, unit_modules=[Block], mixed_precision=POLICY, optimizer="adamw", device="cpu")
@@ -253,7 +254,7 @@ def test_uploads_during_backward_add_one_groups_main_dtype_copy_to_backward():
     assert backward_bytes("optim_grads_params", step_in_backward=True) - backward_bytes("optim_grads_params") \
         == largest
     assert backward_bytes("optim_grads_params", step_in_backward=True, release_after_gather=True) \
-        == backward_bytes("optim_grads_params", release_after_gather=True)
+        - backward_bytes("optim_grads_params", release_after_gather=True) == largest
     assert backward_bytes("optim", step_in_backward=True) == backward_bytes("optim")
 
 
@@ -266,9 +267,10 @@ def test_root_uploads_at_backward_start_count_with_reduce_root_per_child():
         model = UnevenNet(out=200)
     kwargs = dict(world_size=2, unit_modules=[Block], mixed_precision=POLICY, optimizer="adamw", device="cpu")
 
-    def added(per_child):
-        phases = [plan(model, "optim_grads_params", offload=OffloadPolicy(fraction=1.0, step_in_backward=sib),
-                       reduce_root_per_child=per_child, **kwargs).candidates[0].phases["last_unit_backward"]
+    def added(per_child, release=False):
+        phases = [plan(model, "optim_grads_params", reduce_root_per_child=per_child, **kwargs,
+                       offload=OffloadPolicy(fraction=1.0, step_in_backward=sib, release_after_gather=release)
+                       ).candidates[0].phases["last_unit_backward"]
                   for sib in (True, False)]
         return phases[0] - phases[1]
 
@@ -276,3 +278,5 @@ def test_root_uploads_at_backward_start_count_with_reduce_root_per_child():
     _, any_group = run_distributed(_largest_non_root_main_shard, 2, 200, True)[0]
     assert any_group > non_root > 0
     assert added(False) == non_root and added(True) == any_group
+    # released shards: the root's, freed at the start of backward, go up after the step
+    assert added(True, release=True) == non_root

@@ -19,8 +19,8 @@ before the main parameters (possibly DTensors, which cannot be re-pointed) are m
 this rank's main shards twice for a moment: 8 bytes per parameter / dp in fp32, below what the
 first step holds (16 / dp) and, for a model wrapped on the device, below the model it started from
 (dp >= 2) or equal to it (dp = 1). From meta there is nothing to move: the groups wait for the
-segment without a buffer, and meta_init.py writes the values into it. Groups ``set_offload`` later moves to the host leave holes:
-``compact`` again moves the others into a new segment.
+segment without a buffer, and meta_init.py writes the values into it. Groups that ``set_offload``
+later moves to the host leave holes: ``compact`` again moves the others into a new segment.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import torch
 from .strategy import ShardingStrategy
 
 __all__ = ["compact", "segment_views", "shares_main_segment"]
+
 
 def shares_main_segment(strategy: ShardingStrategy, hybrid: bool) -> bool:
     """Whether this strategy's device main shards come from one segment (see the Note)."""

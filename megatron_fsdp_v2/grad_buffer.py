@@ -27,8 +27,9 @@ handed out before that stream's queued work on it is done.
 [Note: one segment for the gradient pool]
 A gradient buffer a little under a multiple of the allocator's 2 MiB segment rounding would get a
 segment of its own whose remainder, under the 1 MiB split threshold, stays in its block and counts
-as allocated (main_segment.py says the same of the main shards; FSDP2's reduce-scatter outputs pay
-it: 3 x 1.02 MB on its memory-test model at world 1). So once a model is wrapped, one block as
+as allocated (main_segment.py says the same of the main shards; FSDP2 holds 3.06 MB besides its
+weights and gradients on its memory-test model at world 1, what its per-group reduce-scatter
+outputs would leave this way; not traced). So once a model is wrapped, one block as
 large as all its device gradient buffers together (plus the split threshold) is allocated in the
 gradient pool and freed at once (``reserve_gradient_segment``): the segment stays cached, and every
 gradient buffer is then split from it at its exact size, in every step. It costs, at the wrap,

@@ -34,11 +34,6 @@ class PlannedGroup:
         return self.layout.total_numel * self.dtypes.compute.itemsize
 
     @property
-    def gathered_bytes(self) -> int:
-        """Per-parameter shards: the rank-major all-gather output, live until copied out (0 else)."""
-        return self.compute_bytes if self.layout.per_parameter else 0
-
-    @property
     def reduce_input_bytes(self) -> int:
         """The full-size buffer a gradient reduce reads, in the gradient-collective dtype."""
         return self.layout.total_numel * self.dtypes.grad_comm.itemsize

@@ -81,7 +81,7 @@ def _weights(trace: _Trace, unit: PlannedUnit, alloc: bool) -> None:
     """Gather (``alloc``: the buffer the collective fills; under per-parameter shards the rank-major
     one, the natural one following when it lands) or free a unit's weights."""
     for group in unit.groups:
-        key = (group.tag, "gathered_weights" if group.gathered_bytes else "model_weights")
+        key = (group.tag, "gathered_weights" if group.layout.per_parameter else "model_weights")
         if alloc:
             if (group.tag, "model_weights") not in trace.live:
                 trace.alloc(key, group.compute_bytes, "weights")

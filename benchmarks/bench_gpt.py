@@ -311,9 +311,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--offload-step-in-backward", type=int, choices=(0, 1), default=1,
                    help="ours-offload<f>: OffloadPolicy(step_in_backward=...) (default 1: offloaded groups step "
                    "on a host thread during backward)")
-    g.add_argument("--offload-release-after-gather", type=int, choices=(0, 1), default=0,
+    g.add_argument("--offload-release-after-gather", choices=("0", "1", "both"), default="0",
                    help="ours-offload<f>: OffloadPolicy(release_after_gather=...): compute shards only around their "
-                   "gathers, FSDP2-offload's memory for one more upload per step (default 0)")
+                   "gathers, FSDP2-offload's memory for one more upload per step; 'both' adds ours-offload<f>-release "
+                   "next to ours-offload<f> (default 0)")
     g.add_argument("--offload-step-threads", type=int, default=0,
                    help="with step in backward: OffloadPolicy(step_threads=N), the CPU step's threads "
                    "(default 0 = torch's)")
@@ -366,7 +367,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         offload_steps.STEP_SWITCH_INTERVAL_S = args.offload_switch_interval
     OFFLOAD_OPTIONS.update(step_in_backward=bool(args.offload_step_in_backward), search_step=args.offload_search,
                            step_threads=args.offload_step_threads or None,
-                           release_after_gather=bool(args.offload_release_after_gather),
+                           release_after_gather=args.offload_release_after_gather,
                            root_per_child=bool(args.offload_root_per_child))
 
     small = dict(layers=2, hidden=256, heads=4, seq=256, micro_batch=2, vocab=4096, steps=20, warmup=3)

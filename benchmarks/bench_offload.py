@@ -41,7 +41,7 @@ def check_host_memory(ctx, system: System) -> None:
 
 def _fraction_of(name: str):
     try:
-        return float(name[len("ours-offload"):]) if name.startswith("ours-offload") else None
+        return float(name[len("ours-offload"):].removesuffix("-release")) if name.startswith("ours-offload") else None
     except ValueError:
         return None
 
@@ -60,7 +60,7 @@ def search_smallest_fraction(search: System, run_one: Callable[[System], Dict[st
     def fits(index: int):
         f = grid[index]
         if f not in known:
-            row = run_one(ours_offload(f, search.step_in_backward))
+            row = run_one(ours_offload(f, search.step_in_backward, search.release_after_gather))
             rows.append(row)
             if row["status"] not in ("ok", "OOM"):
                 return None                      # skipped (time budget) or failed: stop searching

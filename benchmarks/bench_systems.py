@@ -11,7 +11,7 @@ import contextlib
 import gc
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -40,6 +40,7 @@ class System:
     offload: Optional[float] = None   # ours: OffloadPolicy(fraction); fsdp2: CPUOffloadPolicy (1.0);
                                       # megatron_ddp: --optimizer-cpu-offload --optimizer-offload-fraction
     step_in_backward: bool = False    # ours with offload: OffloadPolicy(step_in_backward=True)
+    release_after_gather: bool = False  # ours with offload: OffloadPolicy(release_after_gather=True)
 
     @property
     def cuda_only(self) -> bool:     # (FSDP2's CPUOffloadPolicy pins memory: needs a GPU)
@@ -52,7 +53,7 @@ class System:
         if self.kind == "ours":
             split = ", reduce_root_per_child=True" if self.reduce_root_per_child else ""
             sib = ", step_in_backward=True" if self.step_in_backward else ""
-            sib += ", release_after_gather=True" if OFFLOAD_OPTIONS["release_after_gather"] else ""
+            sib += ", release_after_gather=True" if self.release_after_gather else ""
             off = f", offload=OffloadPolicy(fraction={self.offload:g}{sib})" if self.offload is not None else ""
             return f"fully_shard({self.strategy}, allocator={self.allocator}{split}{off}) = {ZERO_NAME[self.strategy]}"
         if self.kind == "ours_search":
@@ -71,27 +72,38 @@ class System:
         return f"Megatron-FSDP v1, {self.strategy} = {ZERO_NAME[self.strategy]}"
 
 
-def ours_offload(fraction: float, step_in_backward: bool = True) -> System:
-    return System(f"ours-offload{fraction:g}", "ours", strategy="optim_grads_params", allocator="storage_freeing",
-                  offload=fraction, step_in_backward=step_in_backward,
-                  reduce_root_per_child=OFFLOAD_OPTIONS["root_per_child"])
+def ours_offload(fraction: float, step_in_backward: bool = True, release_after_gather: bool = False) -> System:
+    """``ours-offload<f>``, or ``ours-offload<f>-release`` with the compute shards released after
+    their gathers."""
+    suffix = "-release" if release_after_gather else ""
+    return System(f"ours-offload{fraction:g}{suffix}", "ours", strategy="optim_grads_params",
+                  allocator="storage_freeing", offload=fraction, step_in_backward=step_in_backward,
+                  release_after_gather=release_after_gather, reduce_root_per_child=OFFLOAD_OPTIONS["root_per_child"])
+
+
+def release_variants() -> Tuple[bool, ...]:
+    """``--offload-release-after-gather``: 0 keeps the compute shards, 1 releases them, ``both``
+    runs each fraction both ways, side by side."""
+    return {"0": (False,), "1": (True,), "both": (False, True)}[OFFLOAD_OPTIONS["release_after_gather"]]
 
 
 # bench_gpt's --offload-step-in-backward and --offload-search (set before the systems are listed)
 OFFLOAD_OPTIONS: Dict[str, Any] = dict(step_in_backward=True, search_step=0.0, step_threads=None,
-                                       release_after_gather=False, root_per_child=False)
+                                       release_after_gather="0", root_per_child=False)
 
 
 def offload_systems(fractions=(1.0,)) -> List[System]:
     """CPU offload, side by side (``--systems offload``): ours ZeRO-3 at each fraction, FSDP2 with
     ``CPUOffloadPolicy``, Megatron DDP with ``--optimizer-cpu-offload`` (fraction 1), then the search
     for ours' smallest fraction that fits (``ours-offload-min``, run by bench_offload.py)."""
-    out = [ours_offload(f, OFFLOAD_OPTIONS["step_in_backward"]) for f in fractions]
+    out = [ours_offload(f, OFFLOAD_OPTIONS["step_in_backward"], release)
+           for f in fractions for release in release_variants()]
     out.append(System("fsdp2-cpu_offload", "fsdp2", reshard_after_forward=True, offload=1.0))
     out.append(System("megatron_ddp-cpu_offload", "megatron_ddp", strategy="optim", offload=1.0))
     if OFFLOAD_OPTIONS["search_step"]:
         out.append(System("ours-offload-min", "ours_search", strategy="optim_grads_params", offload=-1.0,
-                          step_in_backward=OFFLOAD_OPTIONS["step_in_backward"]))
+                          step_in_backward=OFFLOAD_OPTIONS["step_in_backward"],
+                          release_after_gather=release_variants()[-1]))
     return out
 
 
@@ -344,7 +356,7 @@ def build_ours(ctx: Ctx, system: System) -> Built:
     gpt, _ = build_gpt(ctx, torch.float32)
     offload = (OffloadPolicy(fraction=system.offload, pin_memory=True, step_in_backward=system.step_in_backward,
                              step_threads=OFFLOAD_OPTIONS["step_threads"] if system.step_in_backward else None,
-                             release_after_gather=OFFLOAD_OPTIONS["release_after_gather"])
+                             release_after_gather=system.release_after_gather)
                if system.offload is not None else None)
     model = fully_shard(gpt, sharding_strategy=system.strategy, unit_modules=[TransformerLayer],
                         mixed_precision=MixedPrecisionPolicy(param_dtype=torch.bfloat16),

@@ -58,3 +58,18 @@ def test_host_memory_is_16_bytes_per_offloaded_parameter_per_rank_on_this_host()
     assert bo.host_need_bytes(ours, 10**9, world=2, real_world=2) == 16 * 0.5 * 10**9
     search = systems.System("ours-offload-min", "ours_search", offload=-1.0)
     assert bo.host_need_bytes(search, 10**9, world=1, real_world=1) == 0
+
+
+@pytest.mark.parametrize("release, names", [
+    ("0", ["ours-offload1", "ours-offload0.5"]),
+    ("1", ["ours-offload1-release", "ours-offload0.5-release"]),
+    ("both", ["ours-offload1", "ours-offload1-release", "ours-offload0.5", "ours-offload0.5-release"])])
+def test_release_after_gather_both_runs_each_fraction_both_ways_side_by_side(release, names):
+    systems.OFFLOAD_OPTIONS["release_after_gather"] = release
+    try:
+        ours = [s for s in systems.offload_systems((1.0, 0.5)) if s.kind == "ours"]
+    finally:
+        systems.OFFLOAD_OPTIONS["release_after_gather"] = "0"
+    assert [s.name for s in ours] == names
+    assert [s.release_after_gather for s in ours] == [n.endswith("-release") for n in names]
+    assert [bo._fraction_of(n) for n in names] == [float(n.split("offload")[1].split("-")[0]) for n in names]

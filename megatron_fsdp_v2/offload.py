@@ -56,6 +56,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from .host_memory import pinned_empty
+
 __all__ = ["HostLink", "OffloadPolicy", "OffloadedGroup", "choose_offloaded", "offload_choice_bytes",
            "release_shards_after_gathers"]
 
@@ -156,7 +158,10 @@ class HostLink:
         self.upload_stream = self._module.Stream(device=device) if self.stream is not None else None
 
     def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        return torch.empty(numel, dtype=dtype, device=self.host, pin_memory=self.pin)
+        """Page-locked at its exact size when pinning ([Note: pinned buffers at their exact size])."""
+        if self.pin:
+            return pinned_empty(numel, dtype, self.device)
+        return torch.empty(numel, dtype=dtype, device=self.host)
 
     def host_copy(self, tensor: torch.Tensor) -> torch.Tensor:
         out = self.host_empty(tensor.numel(), tensor.dtype)

@@ -138,11 +138,11 @@ def _host_available() -> Optional[int]:
         return None
 
 
-#: Host bytes per offloaded parameter: fp32 main 4 + Adam 8 + grads 4, plus torch's pinned host
-#: allocator rounding each pinned buffer (main and grads, 8 bytes) up to a power of two: up to 8
-#: more; 20 leaves the kernel's out-of-memory killer out of the search (16 let it end a run on
-#: one H200 box, 2026-12-02: benchmarks/results/2026-12-02/largest_offload.md).
-HOST_BYTES_PER_OFFLOADED_PARAM = 20.0
+#: Host bytes per offloaded parameter: fp32 main 4 + Adam 8 + grads 4, the pinned ones at their
+#: exact size (host_memory.py); 0.5 more for what else the process holds. (Before the pinned
+#: buffers were exact, torch's host allocator rounded them up to powers of two and 16 let the
+#: kernel's out-of-memory killer end a run: benchmarks/results/2026-12-02/largest_offload.md.)
+HOST_BYTES_PER_OFFLOADED_PARAM = 16.5
 
 
 def _host_need(ctx: Ctx, fraction: float, num_params: int) -> float:

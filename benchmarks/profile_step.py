@@ -50,8 +50,9 @@ def _backward_steps(built):
 
 def _thread_timeline(built) -> None:
     """One step of an offloaded system that steps groups during backward, as a timeline (ms from
-    the step's start, the device idle then): per group when the thread took it, when its gradients
-    had landed on the host, when its CPU step ended and when its upload was started; beside it
+    the step's start, the device idle then): per group when backward handed it over (host) and
+    finished it (device), when the thread took it, when its gradients had landed on the host and
+    were attached, when its CPU step ended and when its upload was started; beside it
     the host's phase ends and, from device events, when the device finished forward + backward
     and the step."""
     steps = _backward_steps(built)
@@ -75,9 +76,15 @@ def _thread_timeline(built) -> None:
     print(f"timeline (ms): host fwd+bwd returned {ms(t_bwd):.1f}, optimizer.step() returned {ms(t_step):.1f}, "
           f"synchronized {ms(t_end):.1f}; device fwd+bwd done {start.elapsed_time(after_bwd):.1f}, "
           f"step done {start.elapsed_time(after_step):.1f}")
-    print(f"  {'group':40s} {'taken':>8s} {'landed':>8s} {'stepped':>8s} {'upload':>8s}")
-    for name, began, landed, stepped, uploading in steps.timeline:
-        print(f"  {name[-40:]:40s} {ms(began):8.1f} {ms(landed):8.1f} {ms(stepped):8.1f} {ms(uploading):8.1f}")
+    print("  per group: the autograd thread handed it over (host) / the device had finished its backward;")
+    print("  the stepping thread took it / its gradient copy had landed / .grad attached / stepped / upload started")
+    print(f"  {'group':40s} {'handed':>8s} {'device':>8s} {'taken':>8s} {'landed':>8s} {'attached':>8s} "
+          f"{'stepped':>8s} {'upload':>8s}")
+    for name, handed, device_event, began, copied, attached, stepped, uploading in steps.timeline:
+        device = start.elapsed_time(device_event) if device_event is not None else float("nan")
+        handed = ms(handed) if handed is not None else float("nan")
+        print(f"  {name[-40:]:40s} {handed:8.1f} {device:8.1f} {ms(began):8.1f} {ms(copied):8.1f} "
+              f"{ms(attached):8.1f} {ms(stepped):8.1f} {ms(uploading):8.1f}")
     steps.timeline = None
 
 

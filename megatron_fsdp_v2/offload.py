@@ -194,11 +194,12 @@ class HostLink:
             event.record(stream)
         return event
 
-    def compute_event(self):
-        """An event recorded now on the compute stream (None without streams)."""
+    def compute_event(self, timing: bool = False):
+        """An event recorded now on the compute stream (None without streams); ``timing``: one
+        whose device time can be read (benchmarks' timelines)."""
         if self.stream is None:
             return None
-        event = self._module.Event()
+        event = self._module.Event(enable_timing=timing)
         event.record(self._module.current_stream(self.device))
         return event
 

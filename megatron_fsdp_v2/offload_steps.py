@@ -203,9 +203,12 @@ class BackwardSteps:
         self._last_upload = None               # OffloadedGroup of the thread's last upload
         # the thread's time: waiting for gradient copies, stepping (and starting uploads); benchmarks read it
         self.seconds = {"waiting_for_grads": 0.0, "stepping": 0.0, "waiting_for_upload": 0.0}
-        # when set to a list, the thread appends (group name, began, landed, stepped, upload started)
-        # perf_counter times per group: the timeline benchmarks/profile_step.py prints
+        # when set to a list, the thread appends per group (name, handed over, its device event,
+        # began, copy landed, attached, stepped, upload started): perf_counter times and the
+        # timing event recorded on the compute stream at the hand-over (when the device finished
+        # the group's backward); the timeline benchmarks/profile_step.py prints
         self.timeline: Optional[list] = None
+        self._handed_stamps: dict = {}
         self._lowered = [False]                # the switch interval is lowered for this backward's hand-overs
         weakref.finalize(self, self._queue.put, None)    # ends the thread with this object
         weakref.finalize(self, _SwitchInterval.restore_if, self._lowered)   # a model dropped mid-step
@@ -231,7 +234,10 @@ class BackwardSteps:
                                             name="megatron_fsdp_v2 offloaded steps", daemon=True)
             self._thread.start()
         # the group's last device reads of its compute shard (its backward gather) are queued by now
-        self._queue.put((group, optimizer, unused_grads_are_none, self.link.compute_event()))
+        handed_at = self.link.compute_event()
+        if self.timeline is not None:
+            self._handed_stamps[id(group)] = (time.perf_counter(), self.link.compute_event(timing=True))
+        self._queue.put((group, optimizer, unused_grads_are_none, handed_at))
         return True
 
     def attach(self, group, unused_grads_are_none: bool) -> None:
@@ -267,6 +273,8 @@ class BackwardSteps:
             return
         try:
             began = time.perf_counter()
+            group.offloaded.wait_landed()
+            copied = time.perf_counter()
             record = self._attach_handed(group, unused_grads_are_none)
             landed = time.perf_counter()
             record.hyper = _hyperparameters(optimizer)
@@ -288,7 +296,8 @@ class BackwardSteps:
             self.seconds["stepping"] += stepped - landed
             self.seconds["waiting_for_upload"] += uploading - stepped
             if self.timeline is not None:
-                self.timeline.append((group.name, began, landed, stepped, uploading))
+                handed = self._handed_stamps.pop(id(group), (None, None))
+                self.timeline.append((group.name, *handed, began, copied, landed, stepped, uploading))
         except BaseException as exc:   # noqa: BLE001 -- raised in the main thread at the next wait
             self._error = exc
 

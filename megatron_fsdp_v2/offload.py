@@ -153,9 +153,13 @@ class HostLink:
         accelerator = device.type != "cpu"
         self.pin = policy.pin_memory and accelerator
         self._module = torch.get_device_module(device) if accelerator else None
-        # two side streams: gradients down and weights up run on the two copy directions at once
+        # side streams: gradients down and weights up run on the two copy directions at once; the
+        # stepping thread's uploads (new weights for the next forward) get a third, so that a
+        # backward's re-upload of a released shard (needed now) never queues behind them: copies
+        # on one stream run in the order they were issued
         self.stream = self._module.Stream(device=device) if accelerator and policy.overlap else None
         self.upload_stream = self._module.Stream(device=device) if self.stream is not None else None
+        self.thread_upload_stream = self._module.Stream(device=device) if self.stream is not None else None
 
     def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """Page-locked at its exact size when pinning ([Note: pinned buffers at their exact size])."""
@@ -171,14 +175,14 @@ class HostLink:
     def copy(self, dst: torch.Tensor, make_src: Callable[[], torch.Tensor], upload: bool = False, after=None):
         """``dst.copy_(make_src())`` after the work queued so far on the compute stream (or, given
         ``after``, an event recorded on it: a copy started from another host thread), on a side
-        stream when there is one (``upload``: the host-to-device one); returns its event (None:
-        done already). ``make_src`` runs on that stream too, so device temporaries it allocates
-        are that stream's."""
+        stream when there is one (``upload``: a host-to-device one, the thread's own given
+        ``after``); returns its event (None: done already). ``make_src`` runs on that stream too,
+        so device temporaries it allocates are that stream's."""
         if self.stream is None:
             with torch.no_grad():
                 dst.copy_(make_src())
             return None
-        stream = self.upload_stream if upload else self.stream
+        stream = self.stream if not upload else self.upload_stream if after is None else self.thread_upload_stream
         if after is not None:
             stream.wait_event(after)
         else:

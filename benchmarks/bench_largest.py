@@ -758,6 +758,29 @@ def memory_capacity(ctx: Ctx, meta: Dict[str, Any]) -> Optional[float]:
     return meta["capacity_gib"]
 
 
+def report_live_at_out_of_memory(top: int = 12) -> None:
+    """``BENCH_OOM_LIVE=1``: record the allocator's history and, at each CUDA out-of-memory, print
+    what was live by owner (peak_breakdown.py's attribution) with a short stack: which part of a
+    run fills the device (the build, a step, a transfer's temporaries) when it does not fit."""
+    import peak_breakdown as P
+    torch.cuda.memory._record_memory_history(max_entries=200_000)
+
+    def observer(device, alloc, device_allocated, device_free):
+        by_label: Dict[str, list] = {}
+        for block in P.device_blocks(torch.cuda.memory._snapshot(), device):
+            frames = (block.get("frames") or [])
+            _, label = P.categorize(frames)
+            entry = by_label.setdefault(label, [0, 0, P.short_stack(frames, 6)])
+            entry[0] += P._block_bytes(block)
+            entry[1] += 1
+        print(f"[out of memory] asked for {alloc / 2**20:.0f} MiB with {device_allocated / GIB:.2f} GiB allocated; "
+              "live by owner:", flush=True)
+        for label, (size, count, stack) in sorted(by_label.items(), key=lambda kv: -kv[1][0])[:top]:
+            print(f"  {size / GIB:8.2f} GiB  {count:6d}  {label}  {' < '.join(stack)}", flush=True)
+
+    torch._C._cuda_attach_out_of_memory_observer(observer)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
@@ -767,6 +790,8 @@ def main(argv=None) -> int:
     ctx = init_distributed(args)
     with contextlib.ExitStack() as stack:
         prepare_process(ctx, stack)
+        if os.environ.get("BENCH_OOM_LIVE") == "1" and ctx.device.type == "cuda":
+            report_live_at_out_of_memory()
         counter = param_counter(ctx)
         meta = run_meta(ctx, counter)
         meta["systems"] = [s.name for s in systems]

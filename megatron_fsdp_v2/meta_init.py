@@ -16,14 +16,22 @@ can touch it:
   without a broadcast.
 * Initializer of a module: ``init_fn(module)`` if given, else its ``reset_parameters()``, else its
   ``_reset_parameters()`` (torch's ``nn.MultiheadAttention`` and ``nn.Transformer`` name it so).
-  Modules without one are skipped; their parameters are written by an ancestor's initializer or
-  stay uninitialized, which raises naming them.
-* Memory: before a module's initializer runs, the parameters of its subtree not yet initialized
-  get full-size storage in their original dtype; after the last initializer that covers a
-  parameter (its highest ancestor that has one), its values go into the main-weight shard and the
-  full-size storage is dropped. So besides the persistent shards a rank holds at most the
-  parameters of the largest subtree whose root has an initializer (a leaf layer, or e.g. an
-  attention block), never the model.
+  Modules without one are skipped; a parameter that no initializer touches stays uninitialized,
+  which raises naming it.
+* Which parameters an initializer touches: found before anything is allocated, by running every
+  initializer once on meta stand-ins of the parameters (under ``torch.device("meta")`` and
+  ``fork_rng``: no memory, no random number drawn) and noting the ones its ops read or write; an
+  initializer that fails on meta counts as touching its whole subtree. (Counting a module's whole
+  subtree instead made the root, which ``init_fn`` visits like any module, hold every parameter
+  until the end: the full model materialized, and parameters it never wrote stored as garbage.)
+* Memory: before an initializer runs, the parameters it touches that are not yet materialized get
+  full-size storage in the dtype the model was built in (not the wrapper's compute dtype, which
+  the placeholders may carry by then: values are drawn as eager construction draws them); after
+  the last initializer that touches a parameter, its values go into the main-weight shard and the
+  full-size storage is dropped (the parameter keeps its shape on one element until all ran). So
+  besides the persistent shards a rank holds at most the parameters that one initializer and
+  those before it still to be finished touch (a leaf layer, or e.g. an attention block whose
+  initializer rewrites its children's), never the model.
 * A tied parameter is one object: every module holding it initializes it, in that order, and the
   last writer wins (an ``Embedding`` and a later tied ``Linear`` head: the head's initialization;
   eager construction that ties ``embedding.weight = head.weight`` after building both gives the same).
@@ -37,6 +45,8 @@ from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["has_meta_state", "initialize_meta_model", "replace_meta_parameters"]
 
@@ -48,7 +58,8 @@ def has_meta_state(module: nn.Module) -> bool:
 def replace_meta_parameters(module: nn.Module, device: torch.device) -> dict:
     """Swap each meta parameter (every slot holding it, so ties stay tied) for a placeholder of
     the same shape, dtype, ``requires_grad`` and attributes on ``device`` backed by one element.
-    Returns ``{id(placeholder): (name, shape)}`` of the parameters still to initialize."""
+    Returns ``{id(placeholder): (name, shape, dtype)}`` of the parameters still to initialize (the
+    dtype they were built in: the wrapper may re-type the placeholders to its compute dtype)."""
     replaced: dict = {}
     pending: dict = {}
     for owner_name, owner in module.named_modules(remove_duplicate=False):
@@ -62,7 +73,7 @@ def replace_meta_parameters(module: nn.Module, device: torch.device) -> dict:
                 for key, value in vars(param).items():
                     setattr(new, key, value)
                 replaced[id(param)] = new
-                pending[id(new)] = (f"{owner_name}.{name}" if owner_name else name, tuple(param.shape))
+                pending[id(new)] = (f"{owner_name}.{name}" if owner_name else name, tuple(param.shape), param.dtype)
             owner._parameters[name] = new
     return pending
 
@@ -75,6 +86,64 @@ def _initializer(module: nn.Module, init_fn: Optional[Callable]) -> Optional[Cal
         if callable(method):
             return method
     return None
+
+
+class _Touches(TorchDispatchMode):
+    """The storages that the ops run under it read or write."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.storages: set = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        for t in pytree.tree_leaves((args, kwargs or {})):
+            if isinstance(t, torch.Tensor) and t.layout == torch.strided:
+                self.storages.add(t.untyped_storage()._cdata)
+        return func(*args, **(kwargs or {}))
+
+
+def _touched_by_steps(module: nn.Module, steps: list, pending: dict) -> list:
+    """Per step, the ids of the parameters still to initialize that its initializer reads or
+    writes, found by running every initializer once on meta stand-ins of them (nothing is
+    allocated, no random number drawn). A step that fails on meta counts as touching all of its
+    subtree's. So a parameter is materialized by the first initializer that uses it and written
+    after the last, whatever runs in between: with ``init_fn`` every module is a step, and the
+    root's (which writes nothing) no longer keeps the whole model materialized."""
+    stand_ins, slots = {}, []
+    for owner in module.modules():
+        for name, param in owner._parameters.items():
+            if param is not None and id(param) in pending:
+                if id(param) not in stand_ins:
+                    _, shape, dtype = pending[id(param)]
+                    stand_ins[id(param)] = nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"),
+                                                        requires_grad=param.requires_grad)
+                slots.append((owner, name, param))
+                owner._parameters[name] = stand_ins[id(param)]
+    param_of = {s.untyped_storage()._cdata: param_id for param_id, s in stand_ins.items()}
+    out = []
+    try:
+        for _, m, run in steps:
+            touches = _Touches()
+            try:
+                # meta: a factory without a device makes no memory; fork_rng: the random state the
+                # real run starts from is the caller's, whatever an initializer draws here
+                with torch.random.fork_rng(devices=_rng_devices()), torch.device("meta"), torch.no_grad(), touches:
+                    run()
+                out.append({param_of[key] for key in touches.storages if key in param_of})
+            except Exception:                                    # noqa: BLE001 -- judged conservatively
+                out.append({param_of[p.untyped_storage()._cdata] for p in m.parameters()
+                            if p.untyped_storage()._cdata in param_of})
+    finally:
+        for owner, name, param in slots:
+            owner._parameters[name] = param
+    return out
+
+
+def _rng_devices() -> list:
+    """The accelerator devices whose random state an initializer could draw from (fork_rng's list)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return [torch.cuda.current_device()]
+    return []
 
 
 def _post_order(module: nn.Module, prefix: str = "", seen: Optional[set] = None) -> list:
@@ -93,30 +162,36 @@ def initialize_meta_model(module: nn.Module, pending: dict, write: Callable, res
     parameter's final values, ``restore(param)`` points it back at what the wrapper holds."""
     steps = [(name, m, _initializer(m, init_fn)) for name, m in _post_order(module)]
     steps = [(name, m, run) for name, m, run in steps if run is not None]
-    last_writer: dict = {}
-    for index, (_, m, _) in enumerate(steps):
-        for param in m.parameters():
-            if id(param) in pending:
-                last_writer[id(param)] = index
-    live: dict = {}
+    touched = _touched_by_steps(module, steps, pending)
+    last_toucher: dict = {}
+    for index, ids in enumerate(touched):
+        for param_id in ids:
+            last_toucher[param_id] = index
+    params = {id(p): p for _, m, _ in steps for p in m.parameters() if id(p) in pending}
+    materialized: set = set()
+    written: list = []
     with torch.no_grad():
         for index, (name, m, run) in enumerate(steps):
-            for param in m.parameters():
-                if id(param) in pending and id(param) not in live:
-                    param.data = torch.empty(pending[id(param)][1], dtype=param.dtype, device=device)
-                    live[id(param)] = param
+            for param_id in touched[index] - materialized:   # full size, in the dtype it was built in
+                _, shape, dtype = pending[param_id]
+                params[param_id].data = torch.empty(shape, dtype=dtype, device=device)
+                materialized.add(param_id)
             for key, buffer in list(m._buffers.items()):     # its own buffers: its initializer fills them
                 if buffer is not None and buffer.is_meta:
                     m._buffers[key] = torch.empty_like(buffer, device=device)
             run()
-            for param in list(m.parameters()):
-                if last_writer.get(id(param)) == index:
+            for param_id in touched[index]:
+                if last_toucher[param_id] == index:
+                    param = params[param_id]
                     write(param, param.data)
-                    restore(param)
-                    live.pop(id(param), None)
-                    pending.pop(id(param))
+                    _, shape, dtype = pending.pop(param_id)
+                    # until every initializer ran: the full shape (a later one may read it) on one element
+                    param.data = torch.zeros((), dtype=dtype, device=device).expand(shape)
+                    written.append(param)
+    for param in written:
+        restore(param)
     if pending:
-        names = sorted(name for name, _ in pending.values())
+        names = sorted(entry[0] for entry in pending.values())
         raise ValueError(f"module: parameters {names[:20]} were built on the meta device but no initializer "
                          f"covers them (no reset_parameters() on their modules or an ancestor); pass "
                          f"init_fn=... to fully_shard.")

@@ -19,6 +19,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_fsdp_v2 import STRATEGY_NAMES, fully_shard
+from megatron_fsdp_v2.meta_init import _post_order
 
 from .dist_utils import run_distributed
 
@@ -133,24 +134,22 @@ class LiveBytes(TorchDispatchMode):
         return out
 
     def _track(self, t):
-        key = t.untyped_storage().data_ptr()
-        if key == 0:
+        # by the storage, not the tensor object: ``param.data = torch.empty(...)`` drops the
+        # tensor at once while the parameter keeps its storage (storages keep their Python object
+        # as long as they live, so the finalizer runs when the memory is freed)
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key == 0 or key in self.live:
             return
-        if key not in self.live:
-            size = t.untyped_storage().nbytes()
-            self.live[key] = [size, 0]
-            self.now += size
-            self.peak = max(self.peak, self.now)
-        self.live[key][1] += 1
-        weakref.finalize(t, self._drop, key)
+        self.live[key] = storage.nbytes()
+        self.now += self.live[key]
+        self.peak = max(self.peak, self.now)
+        weakref.finalize(storage, self._drop, key)
 
     def _drop(self, key):
-        entry = self.live.get(key)
-        if entry is not None:
-            entry[1] -= 1
-            if entry[1] == 0:
-                self.now -= entry[0]
-                del self.live[key]
+        size = self.live.pop(key, None)
+        if size is not None:
+            self.now -= size
 
 
 def memory_worker(rank, world):
@@ -229,3 +228,53 @@ def test_uninitialized_parameters_and_buffers_raise_and_init_fn_fills_them():
         assert "buffers ['freqs'] are still on the meta device" in out["buffer"]
         assert out["param_init_fn"] == 12.0
         assert out["buffer_init_fn"] == [0.0, 1.0, 2.0, 3.0]
+
+
+def _init_fn_worker(rank, world):
+    from megatron_fsdp_v2 import MixedPrecisionPolicy
+
+    def reinit(module):                    # every module is a step; only leaves with weights write
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.LayerNorm):
+            module.reset_parameters()
+        elif isinstance(module, nn.MultiheadAttention):
+            module._reset_parameters()
+
+    out = {}
+    for strategy in ("optim_grads_params", "optim"):
+        states, peaks = [], []
+        for meta in (False, True):
+            torch.manual_seed(0)
+            tracker = LiveBytes()
+            with tracker:
+                with torch.device("meta") if meta else torch.device("cpu"):
+                    module = Encoder(width=128, depth=4, ffn=512)
+                model_bytes = 4 * sum(p.numel() for p in module.parameters())
+                torch.manual_seed(1)         # (eager construction drew its own values first)
+                if not meta:                 # the same initializers in the same (post-)order
+                    for m in [m for _, m in _post_order(module)]:
+                        reinit(m)
+                model = fully_shard(module, sharding_strategy=strategy, unit_modules=[nn.TransformerEncoderLayer],
+                                    mixed_precision=MixedPrecisionPolicy(param_dtype=torch.bfloat16),
+                                    init_fn=reinit if meta else None)
+            peaks.append(tracker.peak - model.persistent_bytes()["total"])
+            states.append(model.full_state_dict())
+        eager, meta = states
+        out[strategy] = ([k for k in eager if not torch.equal(eager[k], meta[k])], peaks[1] / model_bytes)
+    return out
+
+
+def test_an_init_fn_run_on_every_module_keeps_one_module_materialized_and_its_values_in_fp32():
+    # With init_fn every module is an initializer step, the root's too: its subtree is the model,
+    # so the whole model stayed materialized until the root's step (a 66.7B GPT at a fake 8-way
+    # group ran out of memory in the wrap: benchmarks/bench_largest.py BENCH_OOM_LIVE=1). Only the
+    # parameters an initializer touches count now. And ZeRO-3's placeholders already carried the
+    # bf16 compute dtype, so the values were drawn in bf16: they are drawn in the dtype the model
+    # was built in, bitwise the eager initialization's.
+    for rank, out in enumerate(run_distributed(_init_fn_worker, 2)):
+        for strategy, (differing, peak_share) in out.items():
+            assert differing == [], (rank, strategy, differing)
+            assert peak_share < 0.25, (rank, strategy, peak_share)

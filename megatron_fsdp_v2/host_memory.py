@@ -48,4 +48,7 @@ def _register(ptr: int, nbytes: int) -> None:
 
 
 def _unregister(ptr: int) -> None:
-    torch.cuda.cudart().cudaHostUnregister(ptr)
+    try:
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+    except Exception:        # noqa: BLE001 -- torch half torn down at interpreter exit: the process ends
+        pass

@@ -167,7 +167,7 @@ def initialize_meta_model(module: nn.Module, pending: dict, write: Callable, res
     for index, ids in enumerate(touched):
         for param_id in ids:
             last_toucher[param_id] = index
-    params = {id(p): p for _, m, _ in steps for p in m.parameters() if id(p) in pending}
+    params = {id(p): p for p in module.parameters() if id(p) in pending}
     materialized: set = set()
     written: list = []
     with torch.no_grad():

@@ -770,7 +770,7 @@ def report_live_at_out_of_memory(top: int = 12) -> None:
         for block in P.device_blocks(torch.cuda.memory._snapshot(), device):
             frames = (block.get("frames") or [])
             _, label = P.categorize(frames)
-            python_frames = [f for f in frames if _fname_of(f).endswith(".py")]
+            python_frames = [f for f in frames if P._fname(f).endswith(".py")]
             entry = by_label.setdefault(label, [0, 0, P.short_stack(python_frames, 6)])
             entry[0] += P._block_bytes(block)
             entry[1] += 1
@@ -780,10 +780,6 @@ def report_live_at_out_of_memory(top: int = 12) -> None:
             print(f"  {size / GIB:8.2f} GiB  {count:6d}  {label}  {' < '.join(stack)}", flush=True)
 
     torch._C._cuda_attach_out_of_memory_observer(observer)
-
-
-def _fname_of(frame: Dict[str, Any]) -> str:
-    return str(frame.get("filename", ""))
 
 
 def main(argv=None) -> int:

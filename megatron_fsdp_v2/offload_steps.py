@@ -260,6 +260,10 @@ class BackwardSteps:
         # back from another whose gradients landed already (before, the thread waited on the lock
         # while the end of backward waited for the last groups' copies: a 120 ms stall at 941M)
         group.offloaded.wait_landed()
+        return self._attach_landed(group, unused_grads_are_none)
+
+    def _attach_landed(self, group, unused_grads_are_none: bool) -> "_Attached":
+        """``_attach_handed`` once the group's gradient copies have landed."""
         with self._attach_lock:
             record = self._attached.get(id(group))
             if record is None:
@@ -275,7 +279,7 @@ class BackwardSteps:
             began = time.perf_counter()
             group.offloaded.wait_landed()
             copied = time.perf_counter()
-            record = self._attach_handed(group, unused_grads_are_none)
+            record = self._attach_landed(group, unused_grads_are_none)
             landed = time.perf_counter()
             record.hyper = _hyperparameters(optimizer)
             group.offloaded.stepped_early = True

@@ -536,11 +536,9 @@ class ParamGroup(GroupExport, GroupOffload, GroupReduce):
         if self.offloaded is None:
             return self.facing_optimizer(self._main_view(buffer, index), index)
         made = self.offloaded.grads_facing_optimizer
-        if made is None or made[0] is not buffer:
-            made = self.offloaded.grads_facing_optimizer = (buffer, {})
-        if index not in made[1]:
-            made[1][index] = self.facing_optimizer(self._main_view(buffer, index), index)
-        return made[1][index]
+        if index not in made:
+            made[index] = self.facing_optimizer(self._main_view(buffer, index), index)
+        return made[index]
 
     def zero_grads(self, release: bool = False) -> None:
         """Start a fresh accumulation. ``release`` (the optimizer set ``.grad`` to None): without

@@ -11,7 +11,12 @@
   of a CUDA mesh move their local pieces to the GPU);
 * ``torch.Tensor.cuda``: the tensor itself (``validate_uneven_dtensor`` moves its boundary flags to
   the GPU). Only Megatron code runs while this is active: build and train Megatron-FSDP inside it,
-  our wrapper outside.
+  our wrapper outside;
+* ``_coalescing_manager`` in ``param_and_grad_buffer``: always synchronous. Megatron-FSDP prefetches
+  parameters with ``async_ops=True`` and orders the rest by CUDA events, which are no-ops here, so on
+  gloo the gathers would run on gloo's threads while this thread goes on (a worker once died of heap
+  corruption, ``malloc(): unaligned tcache chunk detected``, in this emulation); synchronous
+  collectives make program order the only order. Values are the same either way.
 
 Also needed (a config, not a patch): ``DistributedDataParallelConfig(gradient_reduce_div_fusion=False)``
 (gloo has no ``PREMUL_SUM``). ``fill_empty_optimizer_states`` gives torch's Adam state to parameters
@@ -102,6 +107,15 @@ class _CpuMesh:
         return DeviceMesh.from_group(*args, **kwargs)
 
 
+def _synchronous_coalescing(real):
+    @contextlib.contextmanager
+    def coalescing_manager(group=None, device=None, async_ops=False):
+        with real(group, device, async_ops=False) as manager:    # waits on exit; its wait() is then a no-op
+            yield manager
+
+    return coalescing_manager
+
+
 @contextlib.contextmanager
 def megatron_fsdp_on_cpu():
     p = _Patcher()
@@ -110,6 +124,8 @@ def megatron_fsdp_on_cpu():
         for name in MEGATRON_FSDP_MODULES:
             p.setattr(importlib.import_module(name), "torch", shim)
         p.setattr(importlib.import_module(MEGATRON_FSDP_MODULES[0]), "DeviceMesh", _CpuMesh)
+        buffers = importlib.import_module(MEGATRON_FSDP_MODULES[2])
+        p.setattr(buffers, "_coalescing_manager", _synchronous_coalescing(buffers._coalescing_manager))
         p.setattr(torch.Tensor, "cuda", lambda tensor, *_a, **_k: tensor)
         yield
     finally:

@@ -208,7 +208,6 @@ class BackwardSteps:
         # timing event recorded on the compute stream at the hand-over (when the device finished
         # the group's backward); the timeline benchmarks/profile_step.py prints
         self.timeline: Optional[list] = None
-        self._handed_stamps: dict = {}
         self._lowered = [False]                # the switch interval is lowered for this backward's hand-overs
         weakref.finalize(self, self._queue.put, None)    # ends the thread with this object
         weakref.finalize(self, _SwitchInterval.restore_if, self._lowered)   # a model dropped mid-step
@@ -234,10 +233,10 @@ class BackwardSteps:
                                             name="megatron_fsdp_v2 offloaded steps", daemon=True)
             self._thread.start()
         # the group's last device reads of its compute shard (its backward gather) are queued by now
-        handed_at = self.link.compute_event()
-        if self.timeline is not None:
-            self._handed_stamps[id(group)] = (time.perf_counter(), self.link.compute_event(timing=True))
-        self._queue.put((group, optimizer, unused_grads_are_none, handed_at))
+        timed = self.timeline is not None
+        handed_at = self.link.compute_event(timing=timed)
+        stamp = (time.perf_counter(), handed_at) if timed else None
+        self._queue.put((group, optimizer, unused_grads_are_none, handed_at, stamp))
         return True
 
     def attach(self, group, unused_grads_are_none: bool) -> None:
@@ -272,7 +271,7 @@ class BackwardSteps:
                 record = self._attached[id(group)] = _Attached(group)
             return record
 
-    def _run(self, group, optimizer, unused_grads_are_none: bool, handed_at) -> None:
+    def _run(self, group, optimizer, unused_grads_are_none: bool, handed_at, stamp) -> None:
         if self._error is not None:
             return
         try:
@@ -300,8 +299,8 @@ class BackwardSteps:
             self.seconds["stepping"] += stepped - landed
             self.seconds["waiting_for_upload"] += uploading - stepped
             if self.timeline is not None:
-                handed = self._handed_stamps.pop(id(group), (None, None))
-                self.timeline.append((group.name, *handed, began, copied, landed, stepped, uploading))
+                # (None, None): handed over before the timeline was set
+                self.timeline.append((group.name, *(stamp or (None, None)), began, copied, landed, stepped, uploading))
         except BaseException as exc:   # noqa: BLE001 -- raised in the main thread at the next wait
             self._error = exc
 

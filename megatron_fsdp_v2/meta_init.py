@@ -193,8 +193,8 @@ def initialize_meta_model(module: nn.Module, pending: dict, write: Callable, res
     if pending:
         names = sorted(entry[0] for entry in pending.values())
         raise ValueError(f"module: parameters {names[:20]} were built on the meta device but no initializer "
-                         f"covers them (no reset_parameters() on their modules or an ancestor); pass "
-                         f"init_fn=... to fully_shard.")
+                         f"covers them (no reset_parameters() on their modules, or on an ancestor, reads or "
+                         f"writes them); pass init_fn=... to fully_shard.")
     left = [f"{n}.{k}" if n else k for n, m in module.named_modules() for k, b in m._buffers.items()
             if b is not None and b.is_meta]
     if left:

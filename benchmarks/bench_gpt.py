@@ -159,6 +159,9 @@ def run_system(ctx: Ctx, system: System) -> Dict[str, Any]:
             res["tokens_per_s"] = a.micro_batch * a.seq * ctx.real_world / med
         res["losses"] = [float(x) for x in losses]
         res["loss_last"] = res["losses"][-1] if losses else None
+        bad = next((i for i, x in enumerate(res["losses"]) if not math.isfinite(x)), None)
+        if bad is not None:     # a step time is worth nothing if the training it timed went wrong
+            res.update(status="error", error=f"loss not finite from step {bad} on (of {len(losses)}, warm-up included)")
     except Exception as exc:  # noqa: BLE001 -- one failing system must not end the run
         if _is_oom(exc):
             res.update(status="OOM", error=f"OOM: {str(exc).splitlines()[0][:300]}")

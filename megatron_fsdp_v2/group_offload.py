@@ -74,7 +74,8 @@ class GroupOffload:
         ``after``: an event of the compute stream the copy waits for instead of all its work so
         far (an upload started on the host thread that stepped the group during backward)."""
         if self.offloaded is not None and self.strategy.weights_sharded:
-            self.offloaded.upload(self.main_shard, self.offloaded.device_compute_shard(), self._version_now(), after)
+            shard = self.offloaded.device_compute_shard(for_thread_upload=after is not None)
+            self.offloaded.upload(self.main_shard, shard, self._version_now(), after)
 
     @property
     def uploads_when_stepped_in_backward(self) -> bool:

@@ -44,8 +44,21 @@ bytes (bf16), kept from the upload after a step to the next step (both gathers, 
 backward, read it): this is what ours keeps above FSDP2's ``CPUOffloadPolicy``, which copies its
 fp32 shard to the device at every gather instead (twice per step, 8/N bytes over the link against
 our 4/N). On the host 4 (main) + 4 (gradient) + 8 (Adam) bytes / N, and 4 more with gradient
-accumulation (the staging buffer). Pinned host buffers come from torch's caching host allocator,
-which rounds each one up to a power of two (a group's buffer of 805 MB takes 1 GiB).
+accumulation (the staging buffer). Pinned host buffers are page-locked at their exact size
+(host_memory.py; torch's caching host allocator would round a group's 805 MB up to 1 GiB).
+
+[Note: a device buffer made on the stepping thread]
+With ``release_after_gather`` the thread that stepped a group during backward makes the group's
+device compute shard again for its upload, while backward goes on queueing work on the compute
+stream. Made in the compute stream's pool (that thread's current stream), the caching allocator
+could hand it a block backward freed a moment ago, which compute-stream work queued after the
+hand-over's event (all the upload waits for) still reads or writes: the upload then raced that work
+(on the H200 a 941M GPT's loss drifted from the second step on, or became NaN, in some runs and not
+others). So the buffer comes from the pool of the thread's upload stream, where every earlier block
+was last used by that stream's copies, and a compute shard's release tells the allocator that the
+compute stream read it (``record_stream``), so that its block is reused only after that read ran.
+Waiting for the compute stream's work up to the allocation instead would have tied the upload (and
+the thread, which keeps one upload in flight) to the end of the device's backward.
 """
 
 from __future__ import annotations
@@ -198,6 +211,12 @@ class HostLink:
             event.record(stream)
         return event
 
+    def thread_upload_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A device buffer for an upload started by the stepping thread, from its upload stream's
+        pool ([Note: a device buffer made on the stepping thread])."""
+        with self._module.stream(self.thread_upload_stream):
+            return torch.empty(numel, dtype=dtype, device=self.device)
+
     def compute_event(self, timing: bool = False):
         """An event recorded now on the compute stream (None without streams); ``timing``: one
         whose device time can be read (benchmarks' timelines)."""
@@ -206,6 +225,9 @@ class HostLink:
         event = self._module.Event(enable_timing=timing)
         event.record(self._module.current_stream(self.device))
         return event
+
+    def current_compute_stream(self):
+        return self._module.current_stream(self.device)
 
     def device_waits(self, event) -> None:
         """The compute stream waits for ``event`` (the host does not)."""
@@ -307,18 +329,25 @@ class OffloadedGroup:
         self._upload_event = self.link.copy(dst, make_src, upload=True, after=after)
         self.uploaded_version = version
 
-    def device_compute_shard(self) -> torch.Tensor:
-        """ZeRO-3's device compute-weight shard, made again if it was released."""
+    def device_compute_shard(self, for_thread_upload: bool = False) -> torch.Tensor:
+        """ZeRO-3's device compute-weight shard, made again if it was released (for an upload
+        the stepping thread starts: in its upload stream's pool, [Note: a device buffer made on the
+        stepping thread])."""
         if self.compute_shard is None:
             numel, dtype = self._compute
-            self.compute_shard = torch.empty(numel, dtype=dtype, device=self.link.device)
+            if for_thread_upload and self.link.stream is not None:
+                self.compute_shard = self.link.thread_upload_empty(numel, dtype)
+            else:
+                self.compute_shard = torch.empty(numel, dtype=dtype, device=self.link.device)
         return self.compute_shard
 
     def after_gather(self, in_backward: bool = False) -> None:
         """A gather read the compute shard: free it if the policy says so (the next gather, seeing
         no upload of the current version, copies it again)."""
         if self.release_after_gather or (in_backward and self.release_after_backward_gather):
-            self.compute_shard = None             # (allocated on the compute stream, read there last)
+            if self.link.stream is not None:      # read last by the compute stream (the gather)
+                self.compute_shard.record_stream(self.link.current_compute_stream())
+            self.compute_shard = None
             self.uploaded_version = None
 
     def wait_upload_on_host(self) -> None:

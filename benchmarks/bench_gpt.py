@@ -70,6 +70,30 @@ def _is_oom(exc: BaseException) -> bool:
     return isinstance(exc, oom_types) or "out of memory" in str(exc).lower()
 
 
+def non_finite_loss(losses: List[float]) -> Optional[str]:
+    """The error of a run whose loss became NaN or infinite, or None."""
+    bad = next((i for i, x in enumerate(losses) if not math.isfinite(x)), None)
+    return None if bad is None else f"loss not finite from step {bad} on (of {len(losses)}, warm-up included)"
+
+
+def loss_agreement(results: List[Dict[str, Any]]) -> List[str]:
+    """Every system trains from the same weights on the same batch, so their losses should agree
+    up to their numerics (kernels, reduction order, dtypes): the largest difference from the first
+    system that trained, per system. A system that trained wrong shows here even if it was fast
+    (a race in one system's offload made its loss drift by 0.1-0.2, or NaN, where the others agree
+    to ~0.01-0.05 over 10 steps)."""
+    ok = [r for r in results if r.get("status") == "ok" and r.get("losses")]
+    if len(ok) < 2:
+        return []
+    ref = ok[0]
+    lines = []
+    for r in ok[1:]:
+        diffs = [abs(a - b) for a, b in zip(r["losses"], ref["losses"])]
+        step = max(range(len(diffs)), key=diffs.__getitem__)
+        lines.append(f"loss of {r['name']} against {ref['name']}'s: at most {diffs[step]:.4f} apart (step {step})")
+    return lines
+
+
 def run_system(ctx: Ctx, system: System) -> Dict[str, Any]:
     a = ctx.args
     res: Dict[str, Any] = dict(name=system.name, kind=system.kind, strategy=system.strategy,
@@ -159,9 +183,8 @@ def run_system(ctx: Ctx, system: System) -> Dict[str, Any]:
             res["tokens_per_s"] = a.micro_batch * a.seq * ctx.real_world / med
         res["losses"] = [float(x) for x in losses]
         res["loss_last"] = res["losses"][-1] if losses else None
-        bad = next((i for i, x in enumerate(res["losses"]) if not math.isfinite(x)), None)
-        if bad is not None:     # a step time is worth nothing if the training it timed went wrong
-            res.update(status="error", error=f"loss not finite from step {bad} on (of {len(losses)}, warm-up included)")
+        if (error := non_finite_loss(res["losses"])) is not None:
+            res.update(status="error", error=error)   # a step time is worth nothing if the training it timed went wrong
     except Exception as exc:  # noqa: BLE001 -- one failing system must not end the run
         if _is_oom(exc):
             res.update(status="OOM", error=f"OOM: {str(exc).splitlines()[0][:300]}")
@@ -533,6 +556,7 @@ def main(argv=None) -> int:
         meta["total_s"] = time.perf_counter() - t_all
         meta["wall_s"] = time.perf_counter() - T_START
         meta["notes"].extend(offload_goals(results))
+        meta["notes"].extend(loss_agreement(results))
         if ctx.rank == 0:
             write_outputs(ctx, meta, results)
             print(f"systems {meta['total_s']:.0f} s, process {meta['wall_s']:.0f} s")

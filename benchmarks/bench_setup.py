@@ -186,7 +186,12 @@ def build_gpt(ctx: Ctx, params_dtype: torch.dtype, bf16: bool = True):
         **UNFUSED_KERNELS,
         **(FULL_RECOMPUTE if getattr(a, "recompute", False) else {}),
     )
+    # every system from the same weights (Megatron draws its linear layers' from the tracker's
+    # CUDA generator, which an earlier system's build consumed): losses compare across systems
+    from megatron.core import tensor_parallel
+
     torch.manual_seed(1234)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
     with torch.device("meta") if meta else contextlib.nullcontext():
         model = local_gpt(config, a.vocab, a.seq, share_embeddings=False)
     if not meta:

@@ -157,10 +157,12 @@ def _train_with_adapter(spec: GPTSpec, world: World, strategy: str) -> tuple:
     return losses, norms, digest
 
 
-def shard_gpt(spec: GPTSpec, world: World, strategy: str, process_group=None, allocator: str = "storage_freeing"):
+def shard_gpt(spec: GPTSpec, world: World, strategy: str, process_group=None, allocator: str = "storage_freeing",
+              offload=None, **adamw):
     """``fully_shard`` of the GPT (units: every ``TransformerLayer``; bf16 compute, fp32 main weights
-    and grads) and a torch AdamW with Megatron's weight-decay rule (no decay for biases and 1-D
-    parameters, decided on the original shapes). Returns ``(model, optimizer, info)``."""
+    and grads; ``offload``: an ``OffloadPolicy``) and a torch AdamW with Megatron's weight-decay rule
+    (no decay for biases and 1-D parameters, decided on the original shapes; ``adamw``: further
+    keywords, e.g. ``fused=True``). Returns ``(model, optimizer, info)``."""
     from megatron_fsdp_v2 import MixedPrecisionPolicy, fully_shard
 
     module, _, layer_cls = build_gpt(spec, world)
@@ -170,13 +172,13 @@ def shard_gpt(spec: GPTSpec, world: World, strategy: str, process_group=None, al
                 numels={n: p.numel() for n, p in module.named_parameters()})
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if spec.bf16 else None
     model = fully_shard(module, sharding_strategy=strategy, process_group=process_group, unit_modules=[layer_cls],
-                        mixed_precision=policy, allocator=allocator)
+                        mixed_precision=policy, allocator=allocator, offload=offload)
     decay, no_decay = [], []
     for name, param in model.named_parameters():
         (no_decay if len(shapes[name]) == 1 or name.endswith(".bias") else decay).append(param)
     optimizer = torch.optim.AdamW([dict(params=decay, weight_decay=spec.weight_decay),
                                    dict(params=no_decay, weight_decay=0.0)],
-                                  lr=spec.lr, betas=(0.9, spec.adam_beta2), eps=1e-8)
+                                  lr=spec.lr, betas=(0.9, spec.adam_beta2), eps=1e-8, **adamw)
     return model, optimizer, info
 
 

@@ -199,7 +199,7 @@ class HostLink:
         if after is not None:
             stream.wait_event(after)
         else:
-            stream.wait_stream(self._module.current_stream(self.device))
+            stream.wait_stream(self.current_compute_stream())
         with torch.no_grad(), self._module.stream(stream):
             src = make_src()
             dst.copy_(src, non_blocking=True)
@@ -223,16 +223,18 @@ class HostLink:
         if self.stream is None:
             return None
         event = self._module.Event(enable_timing=timing)
-        event.record(self._module.current_stream(self.device))
+        event.record(self.current_compute_stream())
         return event
 
     def current_compute_stream(self):
+        """The calling thread's current stream on the device: the compute stream for the main
+        thread and autograd's (not for the stepping thread)."""
         return self._module.current_stream(self.device)
 
     def device_waits(self, event) -> None:
         """The compute stream waits for ``event`` (the host does not)."""
         if event is not None:
-            self._module.current_stream(self.device).wait_event(event)
+            self.current_compute_stream().wait_event(event)
 
     @staticmethod
     def host_waits(event) -> None:

@@ -6,8 +6,9 @@ bring it back, never a value: with it, training is bitwise the training without 
 final weights). The stepping thread made a released shard in the compute stream's pool, where the
 caching allocator could hand it a block backward was still using; on the H200 the 941M GPT's loss
 then drifted or became NaN in some runs ([Note: a device buffer made on the stepping thread] in
-offload.py). The model here is the memory model (8 layers) at micro-batch 8, so that the host
-runs ahead of the device and backward frees blocks while the thread uploads.
+offload.py). The model here (8 layers of hidden 2048, 8k tokens a step) gives each layer's
+backward enough device time for the host to run ahead, so that backward frees blocks while the
+thread uploads, as in the run that showed the race.
 """
 
 from __future__ import annotations
@@ -35,8 +36,10 @@ def _train(world, spec, release: bool):
 
 
 def test_release_after_gather_trains_bitwise_as_without_it(world):
-    spec = dataclasses.replace(harness.memory_spec(), micro_batches=1, iters=6,
-                               micro_batch_size=2 if harness.smoke_mode() else 8)
+    if harness.smoke_mode():
+        spec = dataclasses.replace(harness.memory_spec(), micro_batches=1, iters=6)
+    else:       # 50M parameters a layer at 8k tokens: ~8 ms of backward a layer on an H200, host ahead
+        spec = harness.GPTSpec(layers=8, hidden=2048, heads=16, seq=1024, micro_batch_size=8, micro_batches=1, iters=6)
     kept_losses, kept_weights, kept_stepped = _train(world, spec, release=False)
     released_losses, released_weights, released_stepped = _train(world, spec, release=True)
     assert kept_stepped == released_stepped > 0          # the thread stepped groups in both

@@ -65,7 +65,7 @@ def stand_in(monkeypatch):
     real_empty = torch.empty
 
     def logged_empty(*args, **kwargs):
-        if kwargs.get("device") is not None:          # device buffers only (host ones are CPU too)
+        if kwargs.get("device") is not None:          # host buffers too: the log is cleared after construction
             log.append(("empty", module.current.name))
         return real_empty(*args, **kwargs)
 

@@ -211,11 +211,14 @@ class HostLink:
             event.record(stream)
         return event
 
-    def thread_upload_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A device buffer for an upload started by the stepping thread, from its upload stream's
-        pool ([Note: a device buffer made on the stepping thread])."""
-        with self._module.stream(self.thread_upload_stream):
-            return torch.empty(numel, dtype=dtype, device=self.device)
+    def device_empty(self, numel: int, dtype: torch.dtype, for_thread_upload: bool = False) -> torch.Tensor:
+        """A device buffer an upload writes: from the calling thread's stream's pool, or, for an
+        upload the stepping thread starts, from its upload stream's ([Note: a device buffer made
+        on the stepping thread])."""
+        if for_thread_upload and self.thread_upload_stream is not None:
+            with self._module.stream(self.thread_upload_stream):
+                return torch.empty(numel, dtype=dtype, device=self.device)
+        return torch.empty(numel, dtype=dtype, device=self.device)
 
     def compute_event(self, timing: bool = False):
         """An event recorded now on the compute stream (None without streams); ``timing``: one
@@ -257,8 +260,7 @@ class OffloadedGroup:
         self.grads_facing_optimizer: dict = {}
         self._pending: list = []          # (event, what the host does once it completed)
         self._compute = (compute_numel, compute_dtype)
-        self.compute_shard = (torch.empty(compute_numel, dtype=compute_dtype, device=link.device)
-                              if compute_numel else None)
+        self.compute_shard = link.device_empty(compute_numel, compute_dtype) if compute_numel else None
         self.release_after_gather = False     # OffloadPolicy.release_after_gather, for non-root groups
         self.release_after_backward_gather = False    # the same for the root's groups
         self.stepped_early = False            # stepped during this backward (offload_steps.py)
@@ -336,11 +338,7 @@ class OffloadedGroup:
         the stepping thread starts: in its upload stream's pool, [Note: a device buffer made on the
         stepping thread])."""
         if self.compute_shard is None:
-            numel, dtype = self._compute
-            if for_thread_upload and self.link.stream is not None:
-                self.compute_shard = self.link.thread_upload_empty(numel, dtype)
-            else:
-                self.compute_shard = torch.empty(numel, dtype=dtype, device=self.link.device)
+            self.compute_shard = self.link.device_empty(*self._compute, for_thread_upload=for_thread_upload)
         return self.compute_shard
 
     def after_gather(self, in_backward: bool = False) -> None:

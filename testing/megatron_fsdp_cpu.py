@@ -124,7 +124,7 @@ def megatron_fsdp_on_cpu():
         for name in MEGATRON_FSDP_MODULES:
             p.setattr(importlib.import_module(name), "torch", shim)
         p.setattr(importlib.import_module(MEGATRON_FSDP_MODULES[0]), "DeviceMesh", _CpuMesh)
-        buffers = importlib.import_module(MEGATRON_FSDP_MODULES[2])
+        buffers = importlib.import_module("megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer")
         p.setattr(buffers, "_coalescing_manager", _synchronous_coalescing(buffers._coalescing_manager))
         p.setattr(torch.Tensor, "cuda", lambda tensor, *_a, **_k: tensor)
         yield

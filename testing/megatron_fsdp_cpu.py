@@ -36,10 +36,12 @@ from testing.cpu_compat import _CpuTorchModule, _NullStream, _Patcher
 
 __all__ = ["MEGATRON_FSDP_MODULES", "fill_empty_optimizer_states", "megatron_fsdp_on_cpu"]
 
+_ADAPTER_MODULE = "megatron.core.distributed.fsdp.mcore_fsdp_adapter"
+_BUFFER_MODULE = "megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer"
 MEGATRON_FSDP_MODULES = (
-    "megatron.core.distributed.fsdp.mcore_fsdp_adapter",
+    _ADAPTER_MODULE,
     "megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp",
-    "megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer",
+    _BUFFER_MODULE,
     "megatron.core.distributed.fsdp.src.megatron_fsdp.utils",
     "megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor",
 )
@@ -123,8 +125,8 @@ def megatron_fsdp_on_cpu():
         shim = _FsdpCpuTorch()
         for name in MEGATRON_FSDP_MODULES:
             p.setattr(importlib.import_module(name), "torch", shim)
-        p.setattr(importlib.import_module(MEGATRON_FSDP_MODULES[0]), "DeviceMesh", _CpuMesh)
-        buffers = importlib.import_module("megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer")
+        p.setattr(importlib.import_module(_ADAPTER_MODULE), "DeviceMesh", _CpuMesh)
+        buffers = importlib.import_module(_BUFFER_MODULE)
         p.setattr(buffers, "_coalescing_manager", _synchronous_coalescing(buffers._coalescing_manager))
         p.setattr(torch.Tensor, "cuda", lambda tensor, *_a, **_k: tensor)
         yield

@@ -159,6 +159,14 @@ class FlatLayout:
             return ShardSlice(0, 0, 0)
         return ShardSlice(lo - p_start, hi - p_start, lo - s_start)
 
+    def buffer_position(self, index: int, element: int) -> int:
+        """Where element ``element`` of flattened parameter ``index`` sits in a buffer that a
+        collective reads or fills (rank-major under per-parameter shards, else natural)."""
+        if not self.per_parameter:
+            return self.offsets[index] + element
+        rank, column = divmod(element, self.piece_numel(index))
+        return rank * self.shard_numel + self.piece_start(index) + column
+
     def row_splits(self, index: int) -> tuple[int, ...]:
         """``dp_size + 1`` row indices: rank ``r`` owns rows ``[splits[r], splits[r + 1])`` of
         parameter ``index`` (0-d parameters: one row)."""

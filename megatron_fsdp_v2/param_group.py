@@ -32,8 +32,8 @@ from .group_offload import GroupOffload
 from .group_reduce import GroupReduce
 from .unreduced_grads import UnreducedGrads
 from .layout import FlatLayout, build_layout
-from .row_sharded import row_sharded
-from .shard_order import natural_from_gathered
+from .row_sharded import sharded_rows
+from .shard_order import add_rank_major, natural_from_gathered
 from .mixed_precision import GroupDtypes
 from .replicas import gather_blocks
 from .strategy import ShardingStrategy
@@ -248,7 +248,7 @@ class ParamGroup(GroupExport, GroupOffload, GroupReduce):
         if self.mesh is None:
             return local
         shape = tuple(self.shapes[index]) or (1,)
-        return row_sharded(local, self.mesh, shape, self.layout.row_splits(index), requires_grad)
+        return sharded_rows(local, self.mesh, shape, self.layout.row_splits(index), requires_grad)
 
     def _make_main_param(self, index: int) -> nn.Parameter:
         local = self._main_view(self.main_shard, index)
@@ -303,9 +303,28 @@ class ParamGroup(GroupExport, GroupOffload, GroupReduce):
             # A refresh still in flight writes into the same buffer (two optimizers stepping before
             # the next forward each start one): finish it before this one overwrites it.
             self.wait_refresh()
-            self._pending_refresh = self._gather_into(self.model_weights, async_op)
+            self._pending_refresh = self._refresh_replicated(async_op)
         else:
             self._refresh_whole_weights()
+
+    def _refresh_replicated(self, async_op: bool) -> PendingCollective:
+        """ZeRO-1/2: all-gather the main shards into the replicated compute weights in place. With
+        per-parameter shards the gather lands rank-major; once it has landed the buffer is put in
+        natural order through a temporary of the group's size, so only the group being reordered
+        holds one, not every group whose refresh is in flight."""
+        pending = self._gather_into(self.model_weights, async_op)
+        if not self.layout.per_parameter:
+            return pending
+        if not async_op:
+            self._reorder_gathered_weights()
+            return pending
+        return PendingCollective(pending.work, self._reorder_gathered_weights)
+
+    def _reorder_gathered_weights(self) -> None:
+        gathered = torch.empty_like(self.model_weights)
+        with torch.no_grad():
+            gathered.copy_(self.model_weights)
+        natural_from_gathered(gathered, self.layout, self.model_weights)
 
     def _gather_into(self, full: torch.Tensor, async_op: bool) -> PendingCollective:
         """All-gather the main-weight shards into ``full`` in place.
@@ -449,11 +468,20 @@ class ParamGroup(GroupExport, GroupOffload, GroupReduce):
                     full[start:end].zero_()
                 self._stash = stash
                 self._own_region_holds_mean = False
-            start, end = self.layout.param_range(index)
-            full[start:end].add_(grad.reshape(-1))
+            self._add_to_full_grad(full, index, grad)
         self.grads_ready[index] = True
         self.got_grad[index] = True
         self.has_unreduced_grads = True
+
+    def _add_to_full_grad(self, full: torch.Tensor, index: int, grad: torch.Tensor) -> None:
+        """DDP / ZeRO-1: add a gradient into the full-size buffer, in the order its reduce reads
+        (ZeRO-1's per-parameter shards: rank-major, so the reduce-scatter reads it in place and
+        this rank's region is one range of it)."""
+        if self.layout.per_parameter:
+            add_rank_major(full, self.layout, index, grad.reshape(-1))
+            return
+        start, end = self.layout.param_range(index)
+        full[start:end].add_(grad.reshape(-1))
 
     def begin_backward(self) -> None:
         """Readiness is per backward pass: a parameter counts once it got this pass's gradient."""

@@ -40,8 +40,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .comm import all_gather_single
+from .dtensor_pickling import install_dtensor_view_pickling
+from .empty_pieces import install_empty_piece_reductions
 
-__all__ = ["RowShardedTensor", "gather_rows", "local_piece", "mesh_of_group", "row_sharded"]
+__all__ = ["RowShardedTensor", "chunk_splits", "gather_rows", "local_piece", "mesh_of_group", "row_sharded",
+           "sharded_rows"]
 
 _aten = torch.ops.aten
 _MAX_NORM_OPS = {_aten._foreach_norm.Scalar, _aten.linalg_vector_norm.default}
@@ -411,20 +414,44 @@ def mesh_of_group(group, device: torch.device) -> DeviceMesh:
                                  mesh_dim_names=(f"megatron_fsdp_v2_dp_{group.group_name}",))
 
 
+def chunk_splits(rows: int, pieces: int) -> tuple[int, ...]:
+    """``torch.chunk``'s row splits of ``rows`` rows into ``pieces`` (DTensor's ``Shard(0)``)."""
+    per_piece = -(-rows // pieces) if rows else 0
+    return tuple(min(rank * per_piece, rows) for rank in range(pieces + 1))
+
+
+def sharded_rows(local: torch.Tensor, mesh: DeviceMesh, shape: Sequence[int], row_splits: Sequence[int],
+                 requires_grad: bool = False) -> DTensor:
+    """The optimizer-facing DTensor ``Shard(0)`` of global ``shape`` whose local piece is ``local``
+    (this rank's rows; shared, not copied): a plain DTensor when the splits are ``torch.chunk``'s
+    (every strategy's per-parameter shards), a RowShardedTensor otherwise (HFSDP's row-snapped
+    shards)."""
+    shape = torch.Size(shape)
+    spec = _shard0_spec(local, mesh, shape)
+    if tuple(row_splits) == chunk_splits(shape[0], mesh.size()):
+        return DTensor(local, spec, requires_grad=requires_grad)
+    tensor = _wrap(local, spec, tuple(row_splits), requires_grad)
+    _check_dispatch_reaches_subclass(tensor)
+    return tensor
+
+
 def row_sharded(local: torch.Tensor, mesh: DeviceMesh, shape: Sequence[int], row_splits: Sequence[int],
                 requires_grad: bool = False) -> RowShardedTensor:
     """A RowShardedTensor of global ``shape`` whose local piece is ``local`` (this rank's rows,
     ``[rows_here, *shape[1:]]``; shared, not copied)."""
-    shape = torch.Size(shape)
-    stride = torch.empty(shape, device="meta").stride()
-    # the spec from a meta stand-in: from_local moves a local on another device type than the
-    # mesh's (an offloaded group's host piece) to the mesh's device, a full synchronous copy per
-    # call, and the spec needs only shape, stride and dtype
-    stand_in = torch.empty(local.shape, dtype=local.dtype, device="meta")
-    spec = DTensor.from_local(stand_in, mesh, [Shard(0)], run_check=False, shape=shape, stride=stride)._spec
-    tensor = _wrap(local, spec, tuple(row_splits), requires_grad)
+    tensor = _wrap(local, _shard0_spec(local, mesh, torch.Size(shape)), tuple(row_splits), requires_grad)
     _check_dispatch_reaches_subclass(tensor)
     return tensor
+
+
+def _shard0_spec(local: torch.Tensor, mesh: DeviceMesh, shape: torch.Size):
+    """The DTensor spec of a ``Shard(0)`` tensor of global ``shape`` with piece ``local``. Made from
+    a meta stand-in: from_local moves a local on another device type than the mesh's (an offloaded
+    group's host piece) to the mesh's device, a full synchronous copy per call, and the spec needs
+    only shape, stride and dtype."""
+    stride = torch.empty(shape, device="meta").stride()
+    stand_in = torch.empty(local.shape, dtype=local.dtype, device="meta")
+    return DTensor.from_local(stand_in, mesh, [Shard(0)], run_check=False, shape=shape, stride=stride)._spec
 
 
 # -- torch builds whose DTensor C++ fast path skips subclasses ------------------------------
@@ -493,3 +520,5 @@ def _register_foreach_support() -> None:
 
 
 _register_foreach_support()
+install_empty_piece_reductions()      # plain DTensor pieces with no rows ([Note: reductions over an empty piece])
+install_dtensor_view_pickling()       # torch.save of plain DTensor views ([Note: pickling a DTensor view])

@@ -18,7 +18,7 @@ import torch
 
 from .layout import FlatLayout
 
-__all__ = ["natural_from_gathered", "own_from_natural", "write_rank_major"]
+__all__ = ["add_rank_major", "natural_from_gathered", "own_from_natural", "write_rank_major"]
 
 
 def _pieces(layout: FlatLayout) -> list[int]:
@@ -55,14 +55,33 @@ def own_from_natural(natural: torch.Tensor, layout: FlatLayout, rank: int) -> to
         return torch.cat([block[rank] for block in _natural_blocks(natural, layout, widths)])
 
 
+def _rank_major_block(flat: torch.Tensor, layout: FlatLayout, index: int) -> torch.Tensor:
+    """Parameter ``index``'s ``[dp, piece]`` columns of the rank-major ``flat``."""
+    start, width = layout.piece_start(index), layout.piece_numel(index)
+    return flat.view(layout.dp_size, layout.shard_numel)[:, start:start + width]
+
+
+def add_rank_major(flat: torch.Tensor, layout: FlatLayout, index: int, values: torch.Tensor) -> None:
+    """Add parameter ``index``'s flattened ``values`` into its pieces of the rank-major ``flat``
+    (ZeRO-1 accumulates its full-size gradients in the order its reduce-scatter reads)."""
+    width = layout.piece_numel(index)
+    if width == 0:
+        return
+    block = _rank_major_block(flat, layout, index)
+    full_ranks, rest = divmod(values.numel(), width)
+    with torch.no_grad():
+        block[:full_ranks].add_(values[:full_ranks * width].view(full_ranks, width))
+        if rest:
+            block[full_ranks, :rest].add_(values[full_ranks * width:])
+
+
 def write_rank_major(flat: torch.Tensor, layout: FlatLayout, index: int, values) -> None:
     """Parameter ``index``'s flattened ``values`` (None: zeros) into its pieces of the rank-major
     ``flat``, the padding of its short pieces zeroed."""
     width = layout.piece_numel(index)
     if width == 0:
         return
-    start = layout.piece_start(index)
-    block = flat.view(layout.dp_size, layout.shard_numel)[:, start:start + width]
+    block = _rank_major_block(flat, layout, index)
     with torch.no_grad():
         if values is None:
             block.zero_()

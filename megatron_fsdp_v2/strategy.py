@@ -32,10 +32,11 @@ class ShardingStrategy:
             all-gathered again before the next use (ZeRO-3).
         reduce_every_microbatch: gradients are reduced after every backward, also inside
             ``no_sync()``; otherwise they accumulate locally until the last micro-batch.
-        shards_each_parameter: every rank holds rows of every parameter, as FSDP2 (layout.py,
-            [Note: per-parameter shards]), rather than row-snapped pieces of one flat buffer: ZeRO-3,
-            whose gathers fill a temporary anyway, so an optimizer stepping one parameter at a time
-            never makes temporaries larger than FSDP2's.
+        shards_each_parameter: every rank holds ``torch.chunk``'s rows of every parameter, as FSDP2
+            (layout.py, [Note: per-parameter shards]), rather than row-snapped pieces of one flat
+            buffer: every sharded strategy, so each optimizer-facing parameter is a plain
+            ``DTensor(Shard(0))`` (right on every torch, interchangeable with FSDP2's) and an
+            optimizer stepping one parameter at a time never makes temporaries larger than FSDP2's.
     """
 
     name: str
@@ -57,9 +58,9 @@ STRATEGIES: dict[str, ShardingStrategy] = {
         ShardingStrategy("no_shard", optim_sharded=False, grads_sharded=False, weights_sharded=False,
                          reduce_every_microbatch=False),
         ShardingStrategy("optim", optim_sharded=True, grads_sharded=False, weights_sharded=False,
-                         reduce_every_microbatch=False),
+                         reduce_every_microbatch=False, shards_each_parameter=True),
         ShardingStrategy("optim_grads", optim_sharded=True, grads_sharded=True, weights_sharded=False,
-                         reduce_every_microbatch=True),
+                         reduce_every_microbatch=True, shards_each_parameter=True),
         ShardingStrategy("optim_grads_params", optim_sharded=True, grads_sharded=True, weights_sharded=True,
                          reduce_every_microbatch=True, shards_each_parameter=True),
     )

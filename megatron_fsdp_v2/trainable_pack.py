@@ -73,13 +73,14 @@ class TrainablePack(NamedTuple):
     splits: tuple = ()
 
     def pack_flat(self, packed: torch.Tensor, source: torch.Tensor, layout: FlatLayout) -> None:
-        """``packed`` from ``source``, a buffer laid out by ``layout`` (DDP / ZeRO-1's full grads)."""
+        """``packed`` from ``source``, a buffer laid out by ``layout`` in the order its collective
+        reads (DDP / ZeRO-1's full grads; a move never crosses a rank's piece)."""
         with torch.no_grad():
             packed.zero_()
             for move in self.moves:
-                start = layout.offsets[move.index]
+                start = layout.buffer_position(move.index, move.param_start)
                 n = move.param_end - move.param_start
-                packed[move.packed:move.packed + n].copy_(source[start + move.param_start:start + move.param_end])
+                packed[move.packed:move.packed + n].copy_(source[start:start + n])
 
     def gather_own(self, buffer: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``out`` (``chunk`` elements) holding this rank's trainable pieces of ``buffer``."""

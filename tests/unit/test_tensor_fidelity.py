@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from megatron_fsdp_v2 import STRATEGY_NAMES, fully_shard
@@ -128,15 +128,19 @@ def writes_worker(rank, world):
         torch.manual_seed(0)
         model = fully_shard(Holder(3, (4, 5)), sharding_strategy=strategy)
         p = model.target
+        assert type(p) is DTensor, type(p)             # a plain DTensor Shard(0), as FSDP2's
         with torch.no_grad():
-            p[1] = 7.0                                  # through __setitem__: written back, every rank keeps its rows
-            p.copy_(p.full_tensor() * 2)                # from a whole tensor: each rank copies its rows
+            full = p.full_tensor()
+            full[1] = 7.0
+            p.copy_(distribute_tensor(full, p.device_mesh, p.placements))   # each rank copies its rows
+            p.mul_(2)                                  # elementwise: on every rank's rows
         out[(strategy, "after_writes")] = model.full_state_dict()["target"]
-        try:
-            with torch.no_grad():
-                p.index_fill_(0, torch.tensor([0]), 1.0)
-        except RuntimeError as err:
-            out[(strategy, "refused")] = str(err)
+        for name, write in (("setitem", lambda: p.__setitem__(1, 7.0)), ("plain_copy", lambda: p.copy_(full))):
+            try:
+                with torch.no_grad():
+                    write()
+            except (RuntimeError, NotImplementedError) as err:
+                out[(strategy, name)] = f"{type(err).__name__}: {err}"
         try:
             p[0] = 1.0                                  # grad mode on: torch's leaf error, also here
         except RuntimeError as err:
@@ -144,14 +148,21 @@ def writes_worker(rank, world):
     return out
 
 
-def test_writes_reach_every_ranks_rows_and_other_inplace_ops_refuse_on_every_rank():
-    for out in run_distributed(writes_worker, 3):
+def test_writes_reach_every_ranks_rows_and_other_writes_refuse_on_every_rank():
+    """Writes go through DTensor's verbs as on FSDP2's parameters; a write DTensor has no rule for
+    (an indexed assignment, a copy from a plain tensor) raises the same error on every rank, before
+    any collective, so no rank waits alone."""
+    per_rank = run_distributed(writes_worker, 3)
+    for out in per_rank:
         for strategy in SHARDED:
             got = out[(strategy, "after_writes")]
             assert torch.equal(got[1], torch.full((5,), 14.0)), strategy
-            assert "index_fill_" in out[(strategy, "refused")] and "full_tensor()" in out[(strategy, "refused")]
-            assert "summon_full_params" in out[(strategy, "refused")]
+            assert "fill_" in out[(strategy, "setitem")], out[(strategy, "setitem")]
+            assert "mixed torch.Tensor and DTensor" in out[(strategy, "plain_copy")], out[(strategy, "plain_copy")]
             assert "in-place operation" in out[(strategy, "leaf")]
+    for key in per_rank[0]:
+        if key[1] in ("setitem", "plain_copy"):
+            assert len({out[key] for out in per_rank}) == 1, key
 
 
 # ---------------------------------------------------------------- torch.save of state dicts

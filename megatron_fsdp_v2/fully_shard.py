@@ -56,13 +56,19 @@ class FullyShardedModule:
     # -- what the optimizer sees -------------------------------------------------------------
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
-        """This rank's main-weight shards, under the original parameter names."""
-        for name, main in self._fsdp_main_params.items():
-            yield (f"{prefix}.{name}" if prefix else name), main
-
-    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
-        for _, main in self.named_parameters():
-            yield main
+        """This rank's main-weight shards, under the original parameter names, listed as torch lists
+        the module's own parameters (``recurse``, ``remove_duplicate``: a tied weight under each of
+        its names with ``remove_duplicate=False``) whatever the module's attributes hold now (the
+        compute weights in forward and backward, or always with ``dtensor_params=False``).
+        ``parameters(recurse)`` is torch's, over this."""
+        main_of = self._fsdp_main_of
+        seen: set = set()
+        for name, param in nn.Module.named_parameters(self, prefix=prefix, recurse=recurse, remove_duplicate=False):
+            main = main_of.get(id(param))
+            if main is None or (remove_duplicate and id(main) in seen):
+                continue
+            seen.add(id(main))
+            yield name, main
 
     def sharded_parameters(self) -> Iterator[ShardedParameter]:
         """One record per parameter: its name, the module's own parameter (what forward uses),
@@ -453,6 +459,8 @@ def _install_engine(module: nn.Module, units: list, strategy, alloc, groups, wor
     cls = module.__class__
     module.__class__ = type(f"FullySharded{cls.__name__}", (FullyShardedModule, cls), {})
     module._fsdp_main_params = main_params
+    # id(a module's parameter: compute or main) -> main parameter (what named_parameters yields)
+    module._fsdp_main_of = {**main_by_param, **{id(main): main for main in main_by_param.values()}}
     module._fsdp_name_order = name_order
     engine = Engine(module, units, strategy, alloc, groups.comm, groups.replicas, groups.experts, world)
     module._fsdp_engine = engine

@@ -1,5 +1,7 @@
 """FSDP2's habits on the parameters ``model.parameters()`` yields (issue 48 item 3), every strategy, 2 gloo ranks.
 
+* ``named_parameters`` / ``parameters`` honour ``recurse`` and ``remove_duplicate`` as torch's:
+  a tied weight is listed under both names with ``remove_duplicate=False`` (GPT-2: 29 names, not 28).
 * ``torch.load(f)`` with its default ``weights_only=True`` reads a per-rank
   ``torch.save(model.state_dict())`` (and the optimizer's), which loads back into the model.
 """
@@ -15,8 +17,30 @@ import torch
 from megatron_fsdp_v2 import STRATEGY_NAMES, fully_shard
 
 from .dist_utils import run_distributed
-from .models import Block, UnevenNet, make_batches
+from .models import Block, EdgeNet, UnevenNet, make_batches
 from .scenarios import loss_fn
+
+
+# ---------------------------------------------------------------- c. named_parameters
+def parameter_lists(rank, strategy):
+    """Names per (recurse, remove_duplicate), torch's module and ours; ours yield main parameters."""
+    out = {}
+    reference = EdgeNet()
+    for dtensor_params in (True, False):
+        model = fully_shard(EdgeNet(), sharding_strategy=strategy, dtensor_params=dtensor_params)
+        mains = {id(m) for g in model._fsdp_engine.groups for m in g.main_params}
+        for recurse in (True, False):
+            for remove_duplicate in (True, False):
+                theirs = [n for n, _ in reference.named_parameters(recurse=recurse, remove_duplicate=remove_duplicate)]
+                ours = list(model.named_parameters(recurse=recurse, remove_duplicate=remove_duplicate))
+                out[(dtensor_params, recurse, remove_duplicate)] = (
+                    theirs, [n for n, _ in ours], all(id(p) in mains for _, p in ours))
+        out[(dtensor_params, "parameters")] = (len(list(reference.parameters(recurse=False))),
+                                               len(list(model.parameters(recurse=False))),
+                                               len(list(reference.parameters())), len(list(model.parameters())))
+        ours = dict(model.named_parameters(remove_duplicate=False))
+        out[(dtensor_params, "tied")] = ours["out.weight"] is ours["emb.weight"]
+    return out
 
 
 # ---------------------------------------------------------------- d. torch.load, weights only
@@ -53,6 +77,7 @@ def weights_only_load(rank, strategy):
 
 
 CASES = {
+    "parameter_lists": parameter_lists,
     "weights_only_load": weights_only_load,
 }
 
@@ -77,6 +102,21 @@ def _ok(results, case, strategy):
     status, value = results[(case, strategy)]
     assert status == "ok", f"{case} / {strategy} raised:\n{value}"
     return value
+
+
+@pytest.mark.parametrize("strategy", STRATEGY_NAMES)
+def test_named_parameters_honour_recurse_and_remove_duplicate(habits, strategy):
+    for rank_results in habits:
+        out = _ok(rank_results, "parameter_lists", strategy)
+        for dtensor_params in (True, False):
+            for recurse in (True, False):
+                for remove_duplicate in (True, False):
+                    theirs, ours, mains = out[(dtensor_params, recurse, remove_duplicate)]
+                    assert ours == theirs and mains, (dtensor_params, recurse, remove_duplicate, ours, theirs)
+            # the tied weight: both names with remove_duplicate=False, one parameter object
+            assert len(out[(dtensor_params, True, False)][1]) == len(out[(dtensor_params, True, True)][1]) + 1
+            assert out[(dtensor_params, "tied")]
+            assert out[(dtensor_params, "parameters")] == (1, 1, 11, 11)
 
 
 @pytest.mark.parametrize("strategy", STRATEGY_NAMES)

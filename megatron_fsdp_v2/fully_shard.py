@@ -408,6 +408,11 @@ def fully_shard(
     Submodules already wrapped by an earlier ``fully_shard`` call become units of this one, each
     keeping its own ``mixed_precision`` (FSDP2's nesting: wrap the blocks, then the root). Every
     rank starts from rank 0's parameters and buffers.
+
+    Hooks on ``model.parameters()`` (grad_hooks.py, [Note: hooks on sharded parameters]):
+    ``register_post_accumulate_grad_hook(hook)`` runs ``hook(param)`` once ``param.grad`` holds the
+    reduced gradient (the end of a backward outside ``no_sync()``, or ``reduce_gradients()``), as
+    FSDP2 does, so an optimizer may step there; ``register_hook`` is refused at the next forward.
     """
     strategy = check_wrap_arguments(
         module, FullyShardedModule, sharding_strategy=sharding_strategy, auto_strategy=auto_strategy,

@@ -35,6 +35,7 @@ import torch.nn as nn
 from torch.autograd import Variable
 
 from .experts import clip_norm_terms
+from .grad_hooks import GradHooks, refuse_tensor_hooks
 from .optimizer_hook import watch_optimizer_steps
 from .comm import PendingCollective
 from .param_group import ParamGroup
@@ -80,6 +81,7 @@ class Engine:
         self.unused_grads_are_none = True        # torch DDP / FSDP2: a parameter no rank used keeps .grad None
         self.backward_steps = None               # offloaded groups stepped during backward (offload_steps.py)
         self.backward_pass: Optional[BackwardPass] = None   # the backward now running
+        self.grad_hooks = GradHooks()            # the user's hooks on main parameters (grad_hooks.py)
         self._backward_count = 0
         self._divide_factor: Optional[float] = None
         self._synced_main_version = {id(g): g.main_version() for g in self.groups}
@@ -144,6 +146,7 @@ class Engine:
         if self.backward_died():
             self.reset_iteration()
         self._check_steps_idle("a forward")
+        refuse_tensor_hooks(self.groups)          # before any collective of this forward
         self.param_slots.hold_compute()
         training = torch.is_grad_enabled()
         if self.phase.is_(Phase.BACKWARD):
@@ -353,6 +356,7 @@ class Engine:
         in_flight, self._reduces_in_flight = self._reduces_in_flight, []
         for group, pending in in_flight:
             group.finish_grad_reduce(pending)
+            self.grad_hooks.reduce_landed(group)
             steps = self.backward_steps
             if steps is not None and self.phase.is_(Phase.BACKWARD) and self.requires_gradient_sync \
                     and not self.check_for_nan_in_grad:
@@ -375,6 +379,15 @@ class Engine:
         self.param_slots.hold_main()
         if backward.reduces:
             self.allocator.step()
+        if backward.reduces and self.requires_gradient_sync:
+            self._run_grad_hooks()                # (an optimizer may step in them: the phase is IDLE)
+
+    def _run_grad_hooks(self) -> None:
+        """The user's post-accumulate-grad hooks on main parameters whose reduced gradient landed
+        (grad_hooks.py, [Note: hooks on sharded parameters]); one weight refresh after them if an
+        optimizer stepped inside them."""
+        if self.grad_hooks.run(self.groups):
+            self.refresh_weights()
 
     def _attach_main_grads(self) -> None:
         for group in self.groups:
@@ -410,7 +423,10 @@ class Engine:
     def after_optimizer_step(self) -> None:
         self.grads_since_zero = False              # the step consumed the accumulation
         accumulation_ended(self.groups)
-        self.refresh_weights()
+        if self.grad_hooks.running:                # stepped inside a user's grad hook: refresh once after them
+            self.grad_hooks.refresh_due = True
+        else:
+            self.refresh_weights()
         if self.backward_steps is not None:
             self.backward_steps.after_step()
 
@@ -521,6 +537,7 @@ class Engine:
         self.wait_gradient_reduces()
         self._reduce_across_replicas()
         self._attach_main_grads()
+        self._run_grad_hooks()
 
     def zero_grads(self, release: bool = False) -> None:
         """Zero every gradient buffer and forget which parameters got gradients (``release``: the
@@ -530,6 +547,7 @@ class Engine:
             return
         self._check_steps_idle("zero_grad")
         self.wait_gradient_reduces()
+        self.grad_hooks.forget()
         for group in self.groups:
             group.zero_grads(release)
         self.main_grads_attached = False

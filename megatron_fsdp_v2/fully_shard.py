@@ -56,13 +56,19 @@ class FullyShardedModule:
     # -- what the optimizer sees -------------------------------------------------------------
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
-        """This rank's main-weight shards, under the original parameter names."""
-        for name, main in self._fsdp_main_params.items():
-            yield (f"{prefix}.{name}" if prefix else name), main
-
-    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
-        for _, main in self.named_parameters():
-            yield main
+        """This rank's main-weight shards, under the original parameter names, listed as torch lists
+        the module's own parameters (``recurse``, ``remove_duplicate``: a tied weight under each of
+        its names with ``remove_duplicate=False``) whatever the module's attributes hold now (the
+        compute weights in forward and backward, or always with ``dtensor_params=False``).
+        ``parameters(recurse)`` is torch's, over this."""
+        main_of = self._fsdp_main_of
+        seen: set = set()
+        for name, param in nn.Module.named_parameters(self, prefix=prefix, recurse=recurse, remove_duplicate=False):
+            main = main_of.get(id(param))
+            if main is None or (remove_duplicate and id(main) in seen):
+                continue
+            seen.add(id(main))
+            yield name, main
 
     def sharded_parameters(self) -> Iterator[ShardedParameter]:
         """One record per parameter: its name, the module's own parameter (what forward uses),
@@ -402,6 +408,11 @@ def fully_shard(
     Submodules already wrapped by an earlier ``fully_shard`` call become units of this one, each
     keeping its own ``mixed_precision`` (FSDP2's nesting: wrap the blocks, then the root). Every
     rank starts from rank 0's parameters and buffers.
+
+    Hooks on ``model.parameters()`` (grad_hooks.py, [Note: hooks on sharded parameters]):
+    ``register_post_accumulate_grad_hook(hook)`` runs ``hook(param)`` once ``param.grad`` holds the
+    reduced gradient (the end of a backward outside ``no_sync()``, or ``reduce_gradients()``), as
+    FSDP2 does, so an optimizer may step there; ``register_hook`` is refused at the next forward.
     """
     strategy = check_wrap_arguments(
         module, FullyShardedModule, sharding_strategy=sharding_strategy, auto_strategy=auto_strategy,
@@ -453,6 +464,8 @@ def _install_engine(module: nn.Module, units: list, strategy, alloc, groups, wor
     cls = module.__class__
     module.__class__ = type(f"FullySharded{cls.__name__}", (FullyShardedModule, cls), {})
     module._fsdp_main_params = main_params
+    # id(a module's parameter: compute or main) -> main parameter (what named_parameters yields)
+    module._fsdp_main_of = {**main_by_param, **{id(main): main for main in main_by_param.values()}}
     module._fsdp_name_order = name_order
     engine = Engine(module, units, strategy, alloc, groups.comm, groups.replicas, groups.experts, world)
     module._fsdp_engine = engine

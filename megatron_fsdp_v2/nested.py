@@ -73,5 +73,5 @@ def _unwrap(inner: nn.Module, engine) -> None:
     engine.remove_hooks()
     unwatch_optimizer_steps(engine)
     inner.__class__ = type(inner).__bases__[-1]     # fully_shard made (FullyShardedModule, original class)
-    for attr in ("_fsdp_engine", "_fsdp_main_params", "_fsdp_name_order"):
+    for attr in ("_fsdp_engine", "_fsdp_main_params", "_fsdp_main_of", "_fsdp_name_order"):
         inner.__dict__.pop(attr, None)

@@ -522,3 +522,8 @@ def _register_foreach_support() -> None:
 _register_foreach_support()
 install_empty_piece_reductions()      # plain DTensor pieces with no rows ([Note: reductions over an empty piece])
 install_dtensor_view_pickling()       # torch.save of plain DTensor views ([Note: pickling a DTensor view])
+
+# ``torch.load`` with its default ``weights_only=True`` rebuilds a ``torch.save``d parameter or state
+# dict (``RowShardedTensor.__reduce_ex__``): the rebuild only wraps a tensor in a DTensor spec, whose
+# classes torch allows itself. Registered with the class, so it goes if the class goes.
+torch.serialization.add_safe_globals([RowShardedTensor, _rebuild_row_sharded])

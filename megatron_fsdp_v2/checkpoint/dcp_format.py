@@ -121,3 +121,7 @@ class FlatRangeShard(torch.Tensor):
 
 _LOCAL_OPS = {torch.ops.aten.detach.default, torch.ops.aten.alias.default, torch.ops.aten.clone.default,
               torch.ops.aten._to_copy.default}
+
+# ``torch.load`` with its default ``weights_only=True`` rebuilds a ``torch.save``d per-rank state dict
+# (``FlatRangeShard.__reduce_ex__``): the class only wraps a tensor and two numbers, nothing runs.
+torch.serialization.add_safe_globals([FlatRangeShard])

@@ -291,12 +291,16 @@ class FullyShardedDataParallel(DistributedDataParallel):
 
     # ------------------------------------------------------------------ parameters
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
-        """This rank's main weights (what an optimizer steps), as ``module.<original name>``."""
+        """This rank's main weights (what an optimizer steps), as ``module.<original name>``; as
+        torch's, ``recurse=False`` lists none (the wrapper holds no parameter of its own) and
+        ``remove_duplicate=False`` lists a shared weight under each of its names."""
+        if not recurse:
+            return
         inner = f"{prefix}.module" if prefix else "module"
-        yield from self.module.named_parameters(prefix=inner)
+        yield from self.module.named_parameters(prefix=inner, remove_duplicate=remove_duplicate)
 
     def parameters(self, recurse: bool = True):
-        for _, param in self.named_parameters():
+        for _, param in self.named_parameters(recurse=recurse):
             yield param
 
     def summon_full_params(self, **kwargs):

@@ -175,6 +175,10 @@ def _member_checks(rank):
     wrapped.broadcast_params()
     out["broadcast"] = max((wrapped.state_dict()[k] - initial[k]).abs().max().item() for k in initial)
     out["config"] = get_model_config(wrapped) is config
+    # as torch lists a wrapper's parameters: none of its own, its module's under "module."
+    out["parameter_lists"] = (len(list(wrapped.parameters(recurse=False))),
+                              [n for n, _ in wrapped.named_parameters(remove_duplicate=False)]
+                              == ["module." + n for n, _ in wrapped.module.named_parameters(remove_duplicate=False)])
     for strategy in ("no_shard", "optim_grads_params"):
         wrapped, _ = _build(strategy)
         wrapped.start_grad_sync()
@@ -501,6 +505,7 @@ def test_remaining_ddp_members(two_ranks):
     for out in two_ranks:
         members = out["members"]
         assert members["broadcast"] == 0.0 and members["config"]
+        assert members["parameter_lists"] == (0, True)
         for strategy in ("no_shard", "optim_grads_params"):
             assert members[strategy] == ([], [], True, True)
 

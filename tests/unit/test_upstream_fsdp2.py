@@ -35,6 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megatron_fsdp_v2 import MixedPrecisionPolicy, export_full_state_dict, fully_shard
+from megatron_fsdp_v2.row_sharded import local_piece
 
 from .upstream_common import (DoubleLinear, MLP, TinyTransformer, TransformerBlock, all_strategies, check, full_grads,
                               reports_fixture, run_cases)
@@ -574,6 +575,58 @@ def case_unused_forward_module(ctx, strategy):
     ctx.checks.weights(model, ref)
 
 
+def case_post_acc_grad_hook_runs(ctx, strategy):
+    counts = collections.Counter()
+    model = MLP(8)
+    for module in (model.in_proj, model.out_proj, model):
+        ctx.shard(module, strategy)
+    for name, param in model.named_parameters():
+        param.register_post_accumulate_grad_hook(lambda p, name=name: counts.update([name]))
+    model(torch.randn(2, 8)).sum().backward()
+    names = {name for name, _ in model.named_parameters()}
+    ctx.checks.true(set(counts) == names, f"hooks ran for {sorted(counts)}, parameters are {sorted(names)}")
+    ctx.checks.true(set(counts.values()) == {1}, f"hook counts {dict(counts)}, want 1 each")
+
+
+def case_post_acc_grad_hook_optim_parity(ctx, strategy):
+    """The optimizer (AdamW, foreach=False, with a StepLR) stepped per parameter in its hook
+    against the same strategy stepped normally: losses and weights bitwise equal."""
+    torch.manual_seed(42)
+    model = TinyTransformer(vocab=64, layers=2)
+    ref = copy.deepcopy(model)
+    for module in (*ref.layers, ref):
+        ctx.shard(module, strategy)
+    kwargs = {"lr": 1e-2, "foreach": False}
+    ref_opt = torch.optim.AdamW(ref.parameters(), **kwargs)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=5)
+    for module in (*model.layers, model):
+        ctx.shard(module, strategy)
+    optims = {p: torch.optim.AdamW([p], **kwargs) for p in model.parameters()}
+    scheds = {p: torch.optim.lr_scheduler.StepLR(o, step_size=5) for p, o in optims.items()}
+
+    def optim_hook(param):
+        optims[param].step()
+        optims[param].zero_grad()
+        scheds[param].step()
+
+    for param in model.parameters():
+        param.register_post_accumulate_grad_hook(optim_hook)
+    torch.manual_seed(42 + ctx.rank)
+    inp = torch.randint(0, 64, (2, 8))
+    for it in range(ITERS):
+        ref_loss = ref(inp).sum()
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_sched.step()
+        loss = model(inp).sum()
+        loss.backward()
+        ctx.checks.equal(f"iter {it} loss", loss.detach(), ref_loss.detach())
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            ctx.checks.true(torch.equal(local_piece(p), local_piece(q)),
+                            f"iter {it} {name}: not bitwise equal to the reference's")
+
+
 NT = collections.namedtuple("NT", "x y")
 
 
@@ -1045,6 +1098,7 @@ DP2_CASES = [
     case_partial_group_forward_grad_accum_chunked, case_reset_iter_state_after_exception,
     case_train_parity_with_activation_checkpointing, case_to_float64_after_init, case_train_parity_single_worldsize1,
     case_unused_forward_output, case_unused_forward_module, case_nontensor_activations,
+    case_post_acc_grad_hook_runs, case_post_acc_grad_hook_optim_parity,
     case_train_mixed_requires_grad_per_group, case_train_mixed_requires_grad_across_groups,
     case_multi_forward_mixed_requires_grad, case_compute_dtype, case_reduce_dtype, case_grad_acc_with_reduce_dtype,
     case_norm_modules, case_float16_on_one_submodule, case_dataclass_input, case_clip_grad_norm_1d,
@@ -1302,13 +1356,22 @@ def test_nontensor_activations(dp2, strategy):
     check(dp2, "nontensor_activations", strategy)
 
 
-def test_post_acc_grad_hook_runs():
+@all_strategies
+def test_post_acc_grad_hook_runs(dp2, strategy):
     """pytorch/pytorch test/distributed/_composable/fsdp/test_fully_shard_autograd.py::
-    TestFullyShardPostAccGradHookMultiThread::test_post_acc_grad_hook_runs and
-    TestFullyShardPostAccGradHookMultiProcess::test_post_acc_grad_hook_optim_parity."""
-    pytest.skip("the optimizer-facing main-weight shards get their reduced gradient by assignment at the end of "
-                "backward, not through autograd accumulation, so post-accumulate-grad hooks on them (and an "
-                "optimizer run from such hooks) are not supported")
+    TestFullyShardPostAccGradHookMultiThread::test_post_acc_grad_hook_runs. MLP(8), in_proj,
+    out_proj and the root wrapped by nested calls; one backward runs every parameter's hook once."""
+    check(dp2, "post_acc_grad_hook_runs", strategy)
+
+
+@all_strategies
+def test_post_acc_grad_hook_optim_parity(dp2, strategy):
+    """pytorch/pytorch test/distributed/_composable/fsdp/test_fully_shard_autograd.py::
+    TestFullyShardPostAccGradHookMultiProcess::test_post_acc_grad_hook_optim_parity. Upstream's
+    Transformer -> TinyTransformer (2 layers, each wrapped, then the root); AdamW(foreach=False)
+    and StepLR(5) per parameter in the hooks against the same strategy stepped normally, per-rank
+    input, ITERS iterations: losses and this rank's parameter pieces bitwise equal (torch.equal)."""
+    check(dp2, "post_acc_grad_hook_optim_parity", strategy)
 
 
 # ---------------------------------------------------------------- test_fully_shard_frozen.py

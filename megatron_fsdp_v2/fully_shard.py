@@ -426,7 +426,7 @@ def fully_shard(
         strategy = _auto_strategy(module, auto_strategy or AutoStrategy(), groups, outer_sharding_strategy,
                                   unit_modules, mixed_precision, reduce_root_per_child, broadcast_buffers,
                                   offload, persistent_grads)
-    world = check_outer_sharding(outer_sharding_strategy, strategy, groups.comm, groups.replicas)
+    world = check_outer_sharding(outer_sharding_strategy, strategy, groups.comm, groups.replicas, dtensor_params)
     model = prepare_model(module, strategy, groups, expert_params, unit_modules, FullyShardedModule)
     agree_on_wrap(module, groups, model, strategy, alloc, mixed_precision=mixed_precision,
                   broadcast_buffers=broadcast_buffers, unused_param_grads=unused_param_grads,

@@ -44,7 +44,7 @@ boundary cuts w1, so one rank holds all of w2). Between steps that costs nothing
 that steps one parameter at a time makes temporaries the size of the largest piece a rank holds:
 ``Adam(foreach=False)`` makes two (``exp_avg_sq.sqrt()`` and its division), 2 x w2 on that rank
 where FSDP2, which gives every rank ``ceil(rows / dp)`` rows of every parameter, makes 2 x w2 / 2.
-ZeRO-3 (``build_layout(..., per_parameter=True)``) therefore shards every parameter over every rank
+ZeRO-1/2/3 (``build_layout(..., per_parameter=True)``) therefore shard every parameter over every rank
 as FSDP2 does: parameter ``i`` is cut into ``dp`` pieces of ``piece_rows[i]`` rows (``ceil(rows /
 dp)``, rounded up so a piece is a whole number of alignment units; the last pieces may be short or
 empty, torch.chunk's split), and rank ``r``'s shard is its piece of every parameter, back to back,
@@ -56,9 +56,10 @@ each padded to ``piece_rows[i] * row`` elements::
 A gathered buffer is therefore in rank-major order and the parameters read a second, natural one:
 ZeRO-3 all-gathers into a temporary and copies out (shard_order.py; one
 ``torch.split_with_sizes_copy``, as FSDP2), and writes gradients rank-major straight into its
-reduce-scatter input, which it copies them into anyway. ZeRO-1/2 keep row-snapped shards: their
-replicated weights and gradients are persistent natural buffers that their collectives read and
-write in place, which per-parameter shards would turn into two more full-size copies a step.
+reduce-scatter input, which it copies them into anyway. ZeRO-1/2 use the same shards, so that every
+sharded parameter is a plain ``DTensor(Shard(0))`` (``torch.chunk``'s rows): their refresh gathers
+into the natural buffer in place and reorders it after (param_group.py), ZeRO-1 accumulates its
+full-size gradients rank-major. Row-snapped shards remain for HFSDP (and ``no_shard``, unsharded).
 Parameter ``i``'s natural range starts at ``dp * start_i`` (``start_i``: where its piece begins in
 every shard), so the copy between the two orders is one strided copy per parameter.
 """

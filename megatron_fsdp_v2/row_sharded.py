@@ -41,9 +41,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .comm import all_gather_single
 from .dtensor_pickling import install_dtensor_view_pickling
-from .empty_pieces import install_empty_piece_reductions
+from .dtensor_op_handlers import OUR_MESH_PREFIX, install_dtensor_op_handlers
 
-__all__ = ["RowShardedTensor", "chunk_splits", "gather_rows", "local_piece", "mesh_of_group", "row_sharded",
+__all__ = ["RowShardedTensor", "chunk_splits", "dispatch_reaches_subclasses", "gather_rows", "local_piece", "mesh_of_group", "row_sharded",
            "sharded_rows"]
 
 _aten = torch.ops.aten
@@ -411,7 +411,7 @@ def mesh_of_group(group, device: torch.device) -> DeviceMesh:
     hands one's specs (and thus its group, possibly destroyed since) to ops on the other."""
     group = group if group is not None else dist.group.WORLD
     return DeviceMesh.from_group(group, device_type=device.type,
-                                 mesh_dim_names=(f"megatron_fsdp_v2_dp_{group.group_name}",))
+                                 mesh_dim_names=(f"{OUR_MESH_PREFIX}{group.group_name}",))
 
 
 def chunk_splits(rows: int, pieces: int) -> tuple[int, ...]:
@@ -469,6 +469,16 @@ _REPAIR_INSTALLED = False
 _MAX_NORM_FUNCTIONS = {"_foreach_norm", "linalg_vector_norm", "vector_norm"}
 
 
+def dispatch_reaches_subclasses(mesh: DeviceMesh) -> bool:
+    """Whether this torch build runs a DTensor subclass's ``__torch_dispatch__`` ([Note: dispatch
+    bypass]); probed on a meta stand-in (no memory, no collective)."""
+    stand_in = torch.empty((1,), device="meta")
+    tensor = _wrap(stand_in, _shard0_spec(stand_in, mesh, torch.Size((mesh.size(),))), tuple(range(mesh.size() + 1)),
+                   False)
+    with torch._C.DisableTorchFunctionSubclass():
+        return type(_aten.alias.default(tensor)) is RowShardedTensor
+
+
 def _check_dispatch_reaches_subclass(tensor: RowShardedTensor) -> None:
     global _REPAIR_INSTALLED
     if _REPAIR_INSTALLED:
@@ -520,7 +530,7 @@ def _register_foreach_support() -> None:
 
 
 _register_foreach_support()
-install_empty_piece_reductions()      # plain DTensor pieces with no rows ([Note: reductions over an empty piece])
+install_dtensor_op_handlers()         # [Note: reductions over an empty piece], [Note: a scalar of a partial result]
 install_dtensor_view_pickling()       # torch.save of plain DTensor views ([Note: pickling a DTensor view])
 
 # ``torch.load`` with its default ``weights_only=True`` rebuilds a ``torch.save``d parameter or state

@@ -16,6 +16,7 @@ import torch.nn as nn
 from .comm import Communicator, all_gather_single
 from .experts import check_expert_arguments, check_expert_group_inside
 from .replicas import HFSDP_STRATEGIES, split_process_group
+from .row_sharded import dispatch_reaches_subclasses, mesh_of_group
 from .strategy import get_strategy
 
 __all__ = ["check_hybrid_groups", "check_outer_sharding", "check_params", "check_process_group",
@@ -62,7 +63,7 @@ def check_hybrid_groups(shards: Communicator, replicas: Communicator) -> None:
 
 
 def check_outer_sharding(outer_sharding_strategy: str, strategy, inner: Communicator,
-                          outer: Optional[Communicator]) -> Optional[Communicator]:
+                          outer: Optional[Communicator], dtensor_params: bool = True) -> Optional[Communicator]:
     """HFSDP's preconditions; returns the Communicator of the whole world (None without HFSDP).
     The layout's shard index is the global rank, so it must be ``outer rank * inner size + inner
     rank`` (inner groups of consecutive ranks); a rank that finds otherwise makes every rank raise."""
@@ -80,6 +81,8 @@ def check_outer_sharding(outer_sharding_strategy: str, strategy, inner: Communic
         raise ValueError(f"outer_sharding_strategy='optim': the (outer, inner) groups must cover the whole world "
                          f"({dist.get_world_size()} ranks), got {outer.size} x {inner.size}.")
     device = group_device(inner)
+    if dtensor_params:
+        check_row_snapped_dtensors(device)
     bad = torch.tensor([int(dist.get_rank() != outer.rank * inner.size + inner.rank)], dtype=torch.int64,
                        device=device)
     dist.all_reduce(bad, op=dist.ReduceOp.MAX)
@@ -88,6 +91,21 @@ def check_outer_sharding(outer_sharding_strategy: str, strategy, inner: Communic
                          "+ inner rank (inner groups of consecutive ranks, e.g. init_device_mesh(..., (nodes, "
                          "gpus_per_node))); this layout differs on some rank.")
     return Communicator(None)
+
+
+def check_row_snapped_dtensors(device: torch.device) -> None:
+    """HFSDP's parameters are row-snapped pieces over the whole world (replicas.py), which only the
+    DTensor subclass RowShardedTensor can express; a torch build whose DTensor dispatch skips
+    subclasses (torch 2.11: pytorch/pytorch#167051, fixed by #177878) would compute ops on them by
+    torch.chunk's rows, silently wrong. Refused there; the same torch on every rank, so every rank
+    raises here, before any collective."""
+    mesh = mesh_of_group(dist.group.WORLD, device)
+    if not dispatch_reaches_subclasses(mesh):
+        raise RuntimeError(
+            f"outer_sharding_strategy='optim' (HFSDP) needs a torch whose DTensor dispatch reaches DTensor "
+            f"subclasses; torch {torch.__version__} skips them (pytorch/pytorch#167051), so ops on the "
+            f"parameters would be silently wrong. Use torch >= 2.13, or pass dtensor_params=False "
+            f"(plain local tensors), or outer_sharding_strategy='no_shard' (HSDP: plain DTensors).")
 
 
 def check_params(module: nn.Module) -> torch.device:

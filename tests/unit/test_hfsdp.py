@@ -141,3 +141,35 @@ def test_hfsdp_refuses_what_it_cannot_shard_on_every_rank():
                                             "process_group=(outer, inner)")
         assert out["unknown"] == "outer_sharding_strategy must be 'no_shard' or 'optim', got 'optim_grads'."
         assert "every rank's global rank must be outer rank x inner size + inner rank" in out["layout"]
+
+
+def bypass_worker(rank, world):
+    """HFSDP on a torch whose DTensor dispatch skips subclasses (torch 2.11): stood in for by the probe."""
+    import megatron_fsdp_v2.wrap_checks as wrap_checks
+    outer, inner = _hybrid_groups(world, 2)
+    out = {"reaches": wrap_checks.dispatch_reaches_subclasses(wrap_checks.mesh_of_group(None, torch.device("cpu")))}
+    real = wrap_checks.dispatch_reaches_subclasses
+    wrap_checks.dispatch_reaches_subclasses = lambda mesh: False
+    try:
+        fully_shard(UnevenNet(), unit_modules=[Block], sharding_strategy="optim", process_group=(outer, inner),
+                    outer_sharding_strategy="optim")
+    except RuntimeError as err:
+        out["refused"] = str(err)
+    model = fully_shard(UnevenNet(), unit_modules=[Block], sharding_strategy="optim", process_group=(outer, inner),
+                        outer_sharding_strategy="optim", dtensor_params=False)
+    out["plain_tensors"] = all(type(p) is torch.nn.Parameter for p in model.parameters())
+    wrap_checks.dispatch_reaches_subclasses = real
+    return out
+
+
+def test_hfsdp_refused_on_a_torch_whose_dtensor_dispatch_skips_subclasses_on_every_rank():
+    for out in run_distributed(bypass_worker, 4):
+        version = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
+        if version == (2, 11):           # skips subclasses (its CI job); 2.13 and later reach them
+            assert not out["reaches"]
+        elif version >= (2, 13):
+            assert out["reaches"]
+        assert out["refused"].startswith("outer_sharding_strategy='optim' (HFSDP) needs a torch whose DTensor "
+                                         f"dispatch reaches DTensor subclasses; torch {torch.__version__} skips them")
+        assert "dtensor_params=False" in out["refused"]
+        assert out["plain_tensors"]

@@ -165,6 +165,54 @@ def test_writes_reach_every_ranks_rows_and_other_writes_refuse_on_every_rank():
             assert len({out[key] for out in per_rank}) == 1, key
 
 
+def mixing_worker(rank, world):
+    """Parameters of two wrappers of different strategies, in one op."""
+    torch.manual_seed(0)
+    p_model = fully_shard(Holder(3, (5, 4)), sharding_strategy="optim")
+    q_model = fully_shard(Holder(11, (5, 4)), sharding_strategy="optim_grads_params")
+    p, q = p_model.target, q_model.target
+    out = {"placements": (p.placements, q.placements), "rows": (p.to_local().shape[0], q.to_local().shape[0])}
+    out["difference"] = (p - q).full_tensor()
+    out["want"] = p.full_tensor() - q.full_tensor()
+    out["dot_max"] = float((p * q).sum(1).max())
+    out["dot_max_want"] = float((p.full_tensor() * q.full_tensor()).sum(1).max())
+    return out
+
+
+def test_parameters_of_different_strategies_mix_as_fsdp2s_do():
+    """Every strategy gives torch.chunk's rows (plain DTensors), so a ZeRO-1 parameter and a ZeRO-3
+    one combine row by row; at dp 3, 5 rows split 2 / 2 / 1 on both."""
+    for rank, out in enumerate(run_distributed(mixing_worker, 3)):
+        assert out["rows"] == ((2, 2, 1)[rank],) * 2
+        assert torch.equal(out["difference"], out["want"])
+        assert out["dot_max"] == out["dot_max_want"]
+
+
+SCALARS = {"float_sum": lambda t: float(t.sum()), "item_max": lambda t: t.max().item(),
+           "item_norm": lambda t: t.norm().item(), "bool_any": lambda t: bool((t > 1.0).any()),
+           "float_min_abs": lambda t: float(t.abs().min())}
+
+
+def scalars_worker(rank, world):
+    out = {}
+    for strategy in SHARDED:
+        torch.manual_seed(0)
+        model = fully_shard(Holder(7, (2, 3)), sharding_strategy=strategy)     # 2 rows at dp 3: rank 2 holds none
+        p = model.target
+        full = p.full_tensor()
+        for name, read in SCALARS.items():
+            out[(strategy, name)] = (read(p), read(full))
+    return out
+
+
+def test_python_scalars_of_reductions_are_the_full_tensors_on_every_rank():
+    """``float(p.sum())`` and ``.item()`` read a partial result (one rank's piece) in torch's DTensor;
+    ours make it whole first ([Note: a scalar of a partial result])."""
+    for out in run_distributed(scalars_worker, 3):
+        for key, (got, want) in out.items():
+            assert got == pytest.approx(want, rel=1e-6), key
+
+
 # ---------------------------------------------------------------- torch.save of state dicts
 class Net(nn.Module):
     def __init__(self) -> None:

@@ -1,4 +1,5 @@
-"""Max-like reductions of a DTensor where this rank holds no rows.
+"""DTensor op handlers for what torch's DTensor gets wrong on our parameters: max-like reductions
+where a rank holds no rows, and a Python scalar read from a partial result.
 
 [Note: reductions over an empty piece]
 ``torch.chunk``'s split leaves a rank without rows whenever a parameter has fewer rows than there
@@ -17,6 +18,19 @@ every rank joins the same collective and the result is the full tensor's. A piec
 empty, and a DTensor of any other placement, takes DTensor's path unchanged: the handler only
 changes what would have raised. It is installed once, when the package is imported, for every
 DTensor of the process.
+
+[Note: a scalar of a partial result]
+A full reduction of a ``Shard(0)`` DTensor (``p.sum()``, ``p.max()``, ``p.norm()``) is lazily
+``Partial``: each rank holds its piece's sum, and only a redistribution to ``Replicate``
+(``full_tensor()``, or an op that needs it) combines them. ``float(p.sum())``, ``p.max().item()`` and
+``bool((p > 0).any())`` read the local tensor directly (``aten._local_scalar_dense``), so they return
+this rank's partial value: silently wrong, different on every rank (torch 2.11 to 2.15; FSDP2's
+parameters too). For a DTensor on one of this package's meshes (its dimension is named
+``megatron_fsdp_v2_dp_*``: what our parameters and everything computed from them live on) the
+handler makes the partial value whole first, one all-reduce of one element, which every rank
+issues, since every rank reads the same scalar (as any op on a sharded tensor is called on every
+rank). DTensors on other meshes take DTensor's path unchanged: a user reading a scalar on one
+rank only of their own partial tensor must not be made to wait for the others.
 """
 
 from __future__ import annotations
@@ -25,9 +39,11 @@ import math
 import threading
 
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
-__all__ = ["install_empty_piece_reductions"]
+__all__ = ["OUR_MESH_PREFIX", "install_dtensor_op_handlers"]
+
+OUR_MESH_PREFIX = "megatron_fsdp_v2_dp_"      # row_sharded.mesh_of_group names its meshes so
 
 _aten = torch.ops.aten
 _LOCK = threading.RLock()
@@ -86,14 +102,9 @@ def _fill_for(op, args, kwargs):
     return _norm_identity(ord_value)
 
 
-def _handler(op, args, kwargs):
-    fill = _fill_for(op, args, kwargs)
-    if fill is not None:
-        if op is _aten._foreach_norm.Scalar:
-            args = ([_filled(t, fill) for t in args[0]],) + tuple(args[1:])
-        else:
-            args = (_filled(args[0], fill, _reduced_dims(op, args, kwargs)),) + tuple(args[1:])
-    with _LOCK:                 # DTensor's own path for the (filled) call: the handler stepped aside
+def _default_path(op, args, kwargs):
+    """DTensor's own path for ``op``: the handler steps aside for the call."""
+    with _LOCK:
         handler = DTensor._op_dispatcher._custom_op_handlers.pop(op)
         try:
             return op(*args, **kwargs)
@@ -101,13 +112,37 @@ def _handler(op, args, kwargs):
             DTensor._op_dispatcher._custom_op_handlers[op] = handler
 
 
-_OPS = (_aten.max.default, _aten.min.default, _aten.amax.default, _aten.amin.default,
-        _aten.linalg_vector_norm.default, _aten._foreach_norm.Scalar)
+def _reduction_handler(op, args, kwargs):
+    fill = _fill_for(op, args, kwargs)
+    if fill is not None:
+        if op is _aten._foreach_norm.Scalar:
+            args = ([_filled(t, fill) for t in args[0]],) + tuple(args[1:])
+        else:
+            args = (_filled(args[0], fill, _reduced_dims(op, args, kwargs)),) + tuple(args[1:])
+    return _default_path(op, args, kwargs)
 
 
-def install_empty_piece_reductions() -> None:
-    """Register the handler for the max-like reductions (idempotent; an op that already has a
-    handler of torch's is left alone)."""
+def _on_our_mesh(tensor: DTensor) -> bool:
+    names = tensor.device_mesh.mesh_dim_names or ()
+    return any(name.startswith(OUR_MESH_PREFIX) for name in names)
+
+
+def _scalar_handler(op, args, kwargs):
+    """[Note: a scalar of a partial result]"""
+    tensor = args[0]
+    if _on_our_mesh(tensor) and any(isinstance(p, Partial) for p in tensor.placements):
+        whole = tensor.redistribute(tensor.device_mesh, [Replicate()] * tensor.device_mesh.ndim)
+        return whole.to_local().item()
+    return _default_path(op, args, kwargs)
+
+
+_REDUCTIONS = (_aten.max.default, _aten.min.default, _aten.amax.default, _aten.amin.default,
+               _aten.linalg_vector_norm.default, _aten._foreach_norm.Scalar)
+
+
+def install_dtensor_op_handlers() -> None:
+    """Register the handlers (idempotent; an op that already has a handler of torch's is left alone)."""
     handlers = DTensor._op_dispatcher._custom_op_handlers
-    for op in _OPS:
-        handlers.setdefault(op, _handler)
+    for op in _REDUCTIONS:
+        handlers.setdefault(op, _reduction_handler)
+    handlers.setdefault(_aten._local_scalar_dense.default, _scalar_handler)

@@ -5,7 +5,7 @@ reduce-scatter of the same buffer does, so DDP and ZeRO-1 tie, as they do on the
 candidates (``plan(..., offload_fractions=...)``) add what crosses the host link per step, so
 offload is chosen only where it lets a plan fit or saves more network bytes than it copies.
 Planned memory is ``fit_bytes``: the peak with activations when ``activation_bytes`` was given,
-else the kept bytes plus our temporaries' peak. Ties go to
+else the kept bytes plus our temporaries' peak. Ties (bytes within ``PADDING_TIE`` of the fewest) go to
 the smaller planned peak, then to the order of the strategy table (less sharding first). Every
 input is the same on every rank (the model, checked by ``fully_shard``; the budget, agreed on
 by the caller), so every rank chooses the same.
@@ -15,7 +15,12 @@ from __future__ import annotations
 
 from .report import StrategyPlan, format_bytes
 
-__all__ = ["NoPlanFitsError", "choose"]
+__all__ = ["NoPlanFitsError", "PADDING_TIE", "choose"]
+
+# Bytes within this fraction of the fewest tie: the layouts pad differently (no_shard's one buffer,
+# the sharded strategies' torch.chunk pieces of every parameter: under 0.3% on LLM shapes), and a
+# difference of padding must not buy a plan that keeps dp times the optimizer state.
+PADDING_TIE = 0.01
 
 
 class NoPlanFitsError(ValueError):
@@ -38,5 +43,8 @@ def choose(candidates: list, budget_bytes: int) -> tuple[StrategyPlan, "Strategy
             f"{format_bytes(smallest.persistent_bytes)} kept + {format_bytes(smallest.temporaries['peak'])} "
             f"temporaries{activations}). Use more ranks, a smaller model or a larger budget (less activation reserve).")
     order = {id(c): i for i, c in enumerate(candidates)}
-    ranked = sorted(fitting, key=lambda c: (c.moved_bytes, c.fit_bytes, order[id(c)]))
+    fewest = min(c.moved_bytes for c in fitting)
+    ranked = sorted(fitting, key=lambda c: (c.moved_bytes > fewest * (1 + PADDING_TIE), c.moved_bytes
+                                            if c.moved_bytes > fewest * (1 + PADDING_TIE) else 0,
+                                            c.fit_bytes, order[id(c)]))
     return ranked[0], (ranked[1] if len(ranked) > 1 else None)

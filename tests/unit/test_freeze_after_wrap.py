@@ -152,7 +152,7 @@ def freeze_worker(rank, world_size, strategy, model_name):
 # frozen): the biases, LayerNorm biases and 0-d scales left trainable are spread unevenly over the
 # wrap-time shards (an equal-chunk reduce-scatter would cover 2 x max_r T_r = 872 B); the uneven
 # reduce-scatter moves the 680 B the model frozen before wrapping moves, as the all-reduce does
-# (ZeRO-3: 712 B, its frozen-before layout padding each parameter to two torch.chunk pieces).
+# (ZeRO-1/2/3: 712 B, their frozen-before layout padding each parameter to two torch.chunk pieces).
 def expected(strategy, model_name, frozen):
     per_microbatch = strategy in ("optim_grads", "optim_grads_params")
     kind = "all_reduce" if strategy == "no_shard" else "reduce_scatter"
@@ -160,9 +160,10 @@ def expected(strategy, model_name, frozen):
         calls, nbytes = (2, 192) if frozen else (3, 2 * 1120 + 4 * 48)
     else:
         calls = 4                       # the root group [proj | head | offset] keeps proj.bias, offset
-        # ZeRO-3 pads each parameter to dp pieces of torch.chunk rows (layout.py, [Note: per-parameter shards])
-        zero3 = strategy == "optim_grads_params"
-        nbytes = (712 if zero3 else 680) if frozen else (13728 if zero3 else 12992)
+        # ZeRO-1/2/3 pad each parameter to dp pieces of torch.chunk rows (layout.py, [Note: per-parameter
+        # shards]); no_shard all-reduces the unsharded layout
+        per_parameter = strategy != "no_shard"
+        nbytes = (712 if per_parameter else 680) if frozen else (13728 if per_parameter else 12992)
     rounds = K if per_microbatch else 1
     result = {"reduce_scatter": (0, 0), "all_reduce": (0, 0)}
     result[kind] = (calls * rounds, nbytes * rounds)

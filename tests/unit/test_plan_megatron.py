@@ -99,7 +99,8 @@ def test_plan_command_for_a_torch_model_by_import_path(capsys):
     out = capsys.readouterr().out
     assert [line.split()[0] for line in out.splitlines()[3:7]] == ["no_shard", "optim", "optim_grads",
                                                                   "optim_grads_params"]
-    assert out.rstrip().endswith("budget 1.00 GiB: chosen optim, runner-up optim_grads")
+    # UnevenNet's few-row parameters: ZeRO-1's torch.chunk pieces pad > PADDING_TIE beyond DDP's buffer
+    assert out.rstrip().endswith("budget 1.00 GiB: chosen no_shard, runner-up optim")
     with pytest.raises(SystemExit, match="missing: --num-layers"):
         main(["--hidden-size", "8"])
 

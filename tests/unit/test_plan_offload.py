@@ -156,7 +156,8 @@ def test_offload_rows_and_the_choice_among_fractions():
     assert zero3.ranks[0]["main_weights"] == zero3.ranks[0]["optimizer_state"] == zero3.ranks[0]["grads"] == 0
     assert zero3.transfer_bytes > 0 and zero3.moved_bytes == zero3.wire_bytes + zero3.transfer_bytes
     # room for all: no offload (it only adds copies); a budget only offloaded plans fit: the one moving least
-    assert plan(model, offload_fractions=fractions, budget_bytes=10 ** 9, **kwargs).chosen.name == "optim"
+    # (ZeRO-2 at one micro-batch sends ZeRO-1's bytes, within PADDING_TIE, and keeps a smaller peak)
+    assert plan(model, offload_fractions=fractions, budget_bytes=10 ** 9, **kwargs).chosen.name == "optim_grads"
     unoffloaded = min(c.fit_bytes for c in every.candidates if c.offload_fraction is None)
     tight = plan(model, offload_fractions=fractions, budget_bytes=unoffloaded - 1, **kwargs)
     fitting = [c for c in every.candidates if c.fit_bytes < unoffloaded]

@@ -1,5 +1,5 @@
 """DTensor op handlers for what torch's DTensor gets wrong on our parameters: max-like reductions
-where a rank holds no rows, and a Python scalar read from a partial result.
+where a rank holds no rows, a Python scalar read from a partial result, and ``SGD(fused=True)``.
 
 [Note: reductions over an empty piece]
 ``torch.chunk``'s split leaves a rank without rows whenever a parameter has fewer rows than there
@@ -31,6 +31,13 @@ handler makes the partial value whole first, one all-reduce of one element, whic
 issues, since every rank reads the same scalar (as any op on a sharded tensor is called on every
 rank). DTensors on other meshes take DTensor's path unchanged: a user reading a scalar on one
 rank only of their own partial tensor must not be made to wait for the others.
+
+[Note: fused SGD on DTensors]
+torch registers DTensor rules for the fused Adam and AdamW kernels but not for fused SGD
+(``aten._fused_sgd_``: "does not have a sharding strategy registered", torch 2.11 to 2.15), so
+``torch.optim.SGD(fused=True)`` cannot step FSDP2's parameters. The kernel is elementwise over
+its lists (parameters, gradients, momentum buffers), so when every DTensor in them has the same
+placements it runs on the local pieces, as DTensor runs fused Adam.
 """
 
 from __future__ import annotations
@@ -136,6 +143,22 @@ def _scalar_handler(op, args, kwargs):
     return _default_path(op, args, kwargs)
 
 
+def _local_pieces(value):
+    if isinstance(value, DTensor):
+        return value._local_tensor
+    if isinstance(value, (list, tuple)):
+        return type(value)(_local_pieces(v) for v in value)
+    return value
+
+
+def _fused_sgd_handler(op, args, kwargs):
+    """[Note: fused SGD on DTensors]"""
+    tensors = [t for group in args[:3] for t in group if isinstance(t, DTensor)]
+    if tensors and len({(t.device_mesh, tuple(t.placements)) for t in tensors}) == 1:
+        return op(*_local_pieces(args), **{k: _local_pieces(v) for k, v in kwargs.items()})
+    return _default_path(op, args, kwargs)
+
+
 _REDUCTIONS = (_aten.max.default, _aten.min.default, _aten.amax.default, _aten.amin.default,
                _aten.linalg_vector_norm.default, _aten._foreach_norm.Scalar)
 
@@ -146,3 +169,5 @@ def install_dtensor_op_handlers() -> None:
     for op in _REDUCTIONS:
         handlers.setdefault(op, _reduction_handler)
     handlers.setdefault(_aten._local_scalar_dense.default, _scalar_handler)
+    for op in (_aten._fused_sgd_.default, _aten._fused_sgd_.tensor_lr):
+        handlers.setdefault(op, _fused_sgd_handler)

@@ -1,5 +1,7 @@
-"""``RowShardedTensor``: a DTensor ``Shard(0)`` over the data-parallel group whose rank pieces are
-the layout's row splits (layout.py, [Note: row-snapped shards]) rather than ``torch.chunk``'s.
+"""The optimizer-facing DTensor of a rank's rows (``sharded_rows``): a plain ``DTensor(Shard(0))``
+for ``torch.chunk``'s rows, which every strategy's per-parameter shards are, and, for HFSDP's
+row-snapped pieces only, ``RowShardedTensor``: a DTensor ``Shard(0)`` over the data-parallel group
+whose rank pieces are the layout's row splits (layout.py, [Note: row-snapped shards]).
 
 [Note: why a DTensor subclass]
 Optimizer-facing parameters, their ``.grad`` and the optimizer state made from them are DTensors, so
@@ -102,8 +104,6 @@ class RowShardedTensor(DTensor):
         # gathered copy: the write would be lost. Here it is still one call that can write back.
         if func is torch.Tensor.__setitem__:
             return _set_rows(*args)
-        if _REPAIR_INSTALLED:
-            return _repair_torch_function(cls, func, types, args, kwargs)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **(kwargs or {}))
 
@@ -430,18 +430,14 @@ def sharded_rows(local: torch.Tensor, mesh: DeviceMesh, shape: Sequence[int], ro
     spec = _shard0_spec(local, mesh, shape)
     if tuple(row_splits) == chunk_splits(shape[0], mesh.size()):
         return DTensor(local, spec, requires_grad=requires_grad)
-    tensor = _wrap(local, spec, tuple(row_splits), requires_grad)
-    _check_dispatch_reaches_subclass(tensor)
-    return tensor
+    return _wrap(local, spec, tuple(row_splits), requires_grad)
 
 
 def row_sharded(local: torch.Tensor, mesh: DeviceMesh, shape: Sequence[int], row_splits: Sequence[int],
                 requires_grad: bool = False) -> RowShardedTensor:
     """A RowShardedTensor of global ``shape`` whose local piece is ``local`` (this rank's rows,
     ``[rows_here, *shape[1:]]``; shared, not copied)."""
-    tensor = _wrap(local, _shard0_spec(local, mesh, torch.Size(shape)), tuple(row_splits), requires_grad)
-    _check_dispatch_reaches_subclass(tensor)
-    return tensor
+    return _wrap(local, _shard0_spec(local, mesh, torch.Size(shape)), tuple(row_splits), requires_grad)
 
 
 def _shard0_spec(local: torch.Tensor, mesh: DeviceMesh, shape: torch.Size):
@@ -456,19 +452,11 @@ def _shard0_spec(local: torch.Tensor, mesh: DeviceMesh, shape: torch.Size):
 
 # -- torch builds whose DTensor C++ fast path skips subclasses ------------------------------
 # [Note: dispatch bypass] Some torch builds (the DTensor C++ dispatch of pytorch/pytorch#167051,
-# before pytorch/pytorch#177878) route every DTensor *subclass* through the base DTensor
-# dispatcher, so RowShardedTensor.__torch_dispatch__ never runs: out-of-place results (detach,
-# zeros_like, optimizer state) come back as plain DTensors, which DCP and full_tensor() would cut
-# by torch.chunk, and an inf-norm of an empty piece raises. On such builds the same two repairs
-# run one level up, in __torch_function__: outputs shaped like an input become RowShardedTensors
-# with its splits, and empty pieces are filled for +-inf norms. The full-tensor path of [Note: ops
-# on row-snapped shards] is not reached there (seen on torch 2.11): reductions other than norms,
-# indexing and reshapes keep DTensor's torch.chunk rules on such builds. The first row_sharded() call
-# probes which kind of build this is (a local alias: no collective).
-_REPAIR_INSTALLED = False
-_MAX_NORM_FUNCTIONS = {"_foreach_norm", "linalg_vector_norm", "vector_norm"}
-
-
+# before pytorch/pytorch#177878; torch 2.11) route every DTensor *subclass* through the base
+# DTensor dispatcher, so RowShardedTensor.__torch_dispatch__ never runs and its ops would follow
+# torch.chunk's rows, silently wrong. Only HFSDP still makes RowShardedTensors (every strategy
+# gives plain DTensors of torch.chunk's rows), and wrap_checks refuses HFSDP with DTensor
+# parameters on such builds, asking this probe.
 def dispatch_reaches_subclasses(mesh: DeviceMesh) -> bool:
     """Whether this torch build runs a DTensor subclass's ``__torch_dispatch__`` ([Note: dispatch
     bypass]); probed on a meta stand-in (no memory, no collective)."""
@@ -477,45 +465,6 @@ def dispatch_reaches_subclasses(mesh: DeviceMesh) -> bool:
                    False)
     with torch._C.DisableTorchFunctionSubclass():
         return type(_aten.alias.default(tensor)) is RowShardedTensor
-
-
-def _check_dispatch_reaches_subclass(tensor: RowShardedTensor) -> None:
-    global _REPAIR_INSTALLED
-    if _REPAIR_INSTALLED:
-        return
-    with torch._C.DisableTorchFunctionSubclass():
-        probe = _aten.alias.default(tensor)
-    if type(probe) is not RowShardedTensor:
-        _REPAIR_INSTALLED = True            # RowShardedTensor.__torch_function__ now repairs
-
-
-def _repair_torch_function(cls, func, types, args=(), kwargs=None):
-    kwargs = kwargs or {}
-    if getattr(func, "__name__", None) in _MAX_NORM_FUNCTIONS:
-        args = _fill_empty_pieces_for_max_norm(func, args, kwargs)
-    inputs: list = []
-    _collect_ours(args, inputs)
-    _collect_ours(kwargs, inputs)
-    with torch._C.DisableTorchFunctionSubclass():
-        out = func(*args, **kwargs)
-    if isinstance(out, DTensor):
-        return _keep_ours(out, inputs)
-    if isinstance(out, (list, tuple)) and any(isinstance(o, DTensor) for o in out):
-        if args and isinstance(args[0], (list, tuple)) and len(out) == len(args[0]):
-            return type(out)(_keep_ours(o, [a]) for o, a in zip(out, args[0]))
-        return type(out)(_keep_ours(o, inputs) for o in out)
-    return out
-
-
-def _collect_ours(value, inputs: list) -> None:
-    if type(value) is RowShardedTensor:
-        inputs.append(value)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            _collect_ours(v, inputs)
-    elif isinstance(value, dict):
-        for v in value.values():
-            _collect_ours(v, inputs)
 
 
 def _register_foreach_support() -> None:

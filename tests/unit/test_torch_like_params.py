@@ -153,7 +153,7 @@ def test_parameters_keep_their_dimensions_and_hold_whole_rows(world):
                 assert ndim == len(want) and local[1:] == want[1:], (strategy, name, shape, local)
                 assert total_rows == want[0], (strategy, name, total_rows)
                 if dtensor_params:
-                    assert shape == want and kind == "RowShardedTensor"
+                    assert shape == want and kind == "DTensor"          # plain, torch.chunk rows
                 else:
                     assert shape == local
 
@@ -404,62 +404,3 @@ def test_checkpoints_of_the_earlier_layout_still_load(tmp_path):
                                                                      strategy)):
             _assert_equal(weights, want["model"], (world, rank, strategy, "model"))
             _assert_equal(optimizer, want["optimizer"], (world, rank, strategy, "optimizer"))
-
-
-# ---------------------------------------------------------------- torch builds that skip subclass dispatch
-class _DispatchBypass:
-    """Simulates a torch build whose DTensor C++ fast path ignores subclasses' ``__torch_dispatch__``
-    (pytorch/pytorch#177716, fixed by #177878; torch 2.11 on the GPU machines): every op on a
-    RowShardedTensor runs as on a plain DTensor, as base ``DTensor.__torch_dispatch__`` does."""
-
-    def __enter__(self):
-        from megatron_fsdp_v2 import row_sharded as module
-
-        self.module = module
-        self.saved = (module.RowShardedTensor.__dict__["__torch_dispatch__"], module._REPAIR_INSTALLED)
-        module.RowShardedTensor.__torch_dispatch__ = DTensor.__dict__["__torch_dispatch__"]
-        module._REPAIR_INSTALLED = False
-        return self
-
-    def __exit__(self, *exc):
-        cls = self.module.RowShardedTensor
-        cls.__torch_dispatch__, self.module._REPAIR_INSTALLED = self.saved
-        if "__torch_function__" in cls.__dict__:
-            del cls.__torch_function__
-
-
-def bypass_worker(rank, world, root):
-    from megatron_fsdp_v2.row_sharded import RowShardedTensor
-
-    with _DispatchBypass() as bypass:
-        ddp_norms, reference = _ddp_run(rank, world, "adamw_foreach", math.inf, 3)
-        norms, full, empty = _ours_run(rank, world, "optim_grads_params", "adamw_foreach", math.inf, 3)
-        repaired = bypass.module._REPAIR_INSTALLED
-        torch.manual_seed(0)
-        model = fully_shard(DenseNet(), sharding_strategy="optim_grads", unit_modules=[DenseBlock])
-        opt = torch.optim.AdamW(_by_ndim(model.parameters()), lr=1e-2)
-        _train(model, opt, rank, world, 2, 2.0)
-        osd = get_optimizer_state_dict(model, opt)
-        kinds = sorted({type(v).__name__ for state in osd["state"].values() for k, v in state.items() if k != "step"})
-        dcp.save({"model": get_model_state_dict(model), "optim": osd}, checkpoint_id=f"{root}/bypass")
-        saved = _plain(*_snapshot_full(model, opt))
-    worst = max((full[n] - w).abs().max().item() for n, w in reference.items())
-    types = sorted({type(p).__name__ for p in model.parameters()})
-    return repaired, norms, ddp_norms, worst, empty, kinds, types, saved
-
-
-def test_torch_builds_that_skip_subclass_dispatch_keep_row_sharded_tensors(tmp_path):
-    """On such builds the repair one level up (__torch_function__) keeps parameters, optimizer state
-    and checkpoint values RowShardedTensors and the inf-norm of empty pieces working; the checkpoint
-    then loads at another dp size on a normal build."""
-    results = run_distributed(bypass_worker, 3, str(tmp_path))
-    assert sum(r[4] for r in results) > 0
-    for repaired, norms, ddp_norms, worst, _, kinds, types, _ in results:
-        assert repaired
-        assert norms == pytest.approx(ddp_norms, rel=1e-6) and worst < 2e-5
-        assert kinds == ["RowShardedTensor"] and types == ["RowShardedTensor"]
-    saved = results[0][7]
-    for rank, out in enumerate(run_distributed(dcp_load_worker, 2, str(tmp_path), [("bypass", "optim_grads_params")])):
-        full, weights = out[("bypass", "optim_grads_params")]
-        _assert_equal(full[0], saved[0], (rank, "model"))
-        _assert_equal(full[1], saved[1], (rank, "optimizer"))

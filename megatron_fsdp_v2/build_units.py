@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 from .experts import expert_param_ids
+from .extension_weights import ExtensionWeights
 from .layout import default_alignment
 from .meta_init import has_meta_state, initialize_meta_model, replace_meta_parameters
 from .mixed_precision import full_precision_param_ids, resolve_dtypes
@@ -81,6 +82,7 @@ def build_units(model: PreparedModel, strategy, groups: WrapGroups, world, alloc
     plans = _group_plans(model, mixed_precision, reduce_root_per_child)
     to_host, link = _offload_choice(plans, offload, device)
     in_segment = shares_main_segment(strategy, hybrid=world is not None)
+    meshes: dict = {}            # the group's mesh handed to FSDP2's extension protocol, one per process group
     units: list[Unit] = []
     index = 0                                     # the group's position in the whole model
     for unit_index, (spec, (policy, gspecs)) in enumerate(zip(model.specs, plans)):
@@ -93,7 +95,10 @@ def build_units(model: PreparedModel, strategy, groups: WrapGroups, world, alloc
                                allocator, device, default_alignment(device), expert_mesh if gspec.expert else mesh,
                                levels=(groups.comm, groups.replicas) if world is not None else None,
                                offload=link if index in to_host else None, persistent_grads=persistent_grads,
-                               main_segment=in_segment, from_meta=model.from_meta)
+                               main_segment=in_segment, from_meta=model.from_meta,
+                               extension=_extension(model, gspec, groups.experts if gspec.expert else shard_comm,
+                                                    meshes, resolve_dtypes(gspec.dtype, policy, gspec.requires_grad,
+                                                                           gspec.full_precision)))
             group.all_names = [e[1] for e in entries]
             group.param_dtype = gspec.dtype
             unit_groups.append(group)
@@ -110,6 +115,36 @@ def build_units(model: PreparedModel, strategy, groups: WrapGroups, world, alloc
             group.make_main_params()
     reserve_gradient_segment([g.grads for g in built if g.grads_allocated_later], device)
     return units
+
+
+def _extension(model: PreparedModel, gspec, comm, meshes: dict, dtypes) -> Optional[ExtensionWeights]:
+    """A group of parameters that gather themselves: their classes and owners (extension_weights.py)."""
+    if not gspec.extension:
+        return None
+    if id(comm) not in meshes:
+        meshes[id(comm)] = mesh_of_group(comm.group, model.device)
+    return ExtensionWeights.for_entries(model.specs[0].module, gspec.entries, meshes[id(comm)], dtypes)
+
+
+def install_extension_params(module: nn.Module, units: list) -> None:
+    """Make the compute parameters of groups that gather themselves (one gather each, ZeRO-3's freed
+    again) and register them where the original parameters were: the original tensors held a
+    stale copy of the weights, and the compute parameter is the class's own (e.g. float8) tensor."""
+    slots = [(owner, leaf, param) for owner in module.modules() for leaf, param in owner._parameters.items()
+             if param is not None]
+    for group in (g for unit in units for g in unit.groups if g.extension is not None):
+        if group.strategy.weights_sharded:
+            group.unshard(async_op=False)
+            group.reshard()
+        else:
+            group.rebuild_compute_weights(async_op=False)
+            group.wait_refresh()
+        for index, compute in enumerate(group.extension.compute_params):
+            original = group.params[index]
+            for owner, leaf, param in slots:
+                if param is original:
+                    owner._parameters[leaf] = compute
+            group.params[index] = compute
 
 
 def _group_plans(model: PreparedModel, mixed_precision, reduce_root_per_child: bool) -> list:

@@ -157,7 +157,7 @@ class Engine:
             self.sync_requires_grad()
         if self.broadcast_buffers and self._buffers_due:
             self._broadcast_buffers()
-        self.refresh_weights()
+        self.refresh_weights(before_forward=True)
         root = self.units[0]
         self.forward_order.record(root)
         if self.strategy.weights_sharded:
@@ -492,9 +492,12 @@ class Engine:
             if param_ids is None or any(id(m) in param_ids for m in group.main_params):
                 self._dirty_groups.add(id(group))
 
-    def refresh_weights(self, wait: bool = False) -> None:
+    def refresh_weights(self, wait: bool = False, before_forward: bool = False) -> None:
         """Rebuild replicated compute weights from main weights that changed (ZeRO-1/2: one async
         all-gather per group; DDP with mixed precision: a local cast). ZeRO-3 gathers at use.
+        Groups whose parameters gather themselves refresh only ``before_forward`` (or when told to
+        ``wait``), as FSDP2 gathers them: a scale stored on them after ``optimizer.step()`` is then
+        the one used.
 
         A group stepped by two optimizers before the next forward is refreshed after each; the
         second refresh waits for the first (``ParamGroup._gather_into``), so the forward never
@@ -504,6 +507,10 @@ class Engine:
             return                               # ZeRO-3 gathers at use (HFSDP: its inner shards refresh here)
         dirty, self._dirty_groups = self._dirty_groups, set()
         for group in self.groups:
+            if group.extension is not None and not (before_forward or wait):
+                dirty.discard(id(group))
+                self._dirty_groups.add(id(group))
+                continue
             version = group.main_version()
             if id(group) in dirty or version != self._synced_main_version[id(group)]:
                 group.rebuild_compute_weights(async_op=True)

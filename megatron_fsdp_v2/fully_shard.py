@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .allocators import Allocator, make_allocator
-from .build_units import build_units, initialize_units_from_meta, prepare_model
+from .build_units import build_units, initialize_units_from_meta, install_extension_params, prepare_model
 from .checkpoint.state_dict import load_model_state_dict, model_state_dict
 from .engine import Engine
 from .experts import expert_names_refusal
@@ -439,6 +439,7 @@ def fully_shard(
                         persistent_grads, reduce_root_per_child)
     if model.from_meta:
         initialize_units_from_meta(module, units, model.pending, model.device, init_fn)
+    install_extension_params(module, units)
     engine = _install_engine(module, units, strategy, alloc, groups, world, dtensor_params)
     engine.check_for_nan_in_grad = bool(check_for_nan_in_grad)
     engine.broadcast_buffers = bool(broadcast_buffers)

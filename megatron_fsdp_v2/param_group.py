@@ -31,6 +31,7 @@ from .group_export import GroupExport
 from .group_offload import GroupOffload
 from .group_reduce import GroupReduce
 from .unreduced_grads import UnreducedGrads
+from .extension_weights import ExtensionWeights
 from .layout import FlatLayout, build_layout
 from .row_sharded import sharded_rows
 from .shard_order import add_rank_major, natural_from_gathered
@@ -59,6 +60,7 @@ class ParamGroup(GroupExport, GroupOffload, GroupReduce):
         persistent_grads: bool = True,
         main_segment: bool = False,
         from_meta: bool = False,
+        extension: Optional[ExtensionWeights] = None,
     ) -> None:
         self.name = name
         self.params = list(params)
@@ -70,6 +72,9 @@ class ParamGroup(GroupExport, GroupOffload, GroupReduce):
         self.allocator = allocator
         self.device = device
         self.requires_grad = self.params[0].requires_grad
+        # parameters whose class gathers them (FSDP2's extension protocol): their compute weights are
+        # that class's (e.g. float8), not a flat buffer of ours (extension_weights.py)
+        self.extension = extension
         # HFSDP (replicas.py, [Note: sharding across replicas (HFSDP)]): (inner, outer) Communicators;
         # ``comm`` is then the whole data-parallel world the main weights are sharded over.
         self.levels = levels
@@ -133,10 +138,14 @@ class ParamGroup(GroupExport, GroupOffload, GroupReduce):
         # From meta the values come later (meta_init.py): no buffer before the segment's.
         self.main_in_segment = main_segment and offload is None
         self.main_shard = None if self.main_in_segment and from_meta else self._own_main_values()
-        self.compute_weights_are_main_weights = not self.strategy.optim_sharded and dt.compute == dt.main
+        self.compute_weights_are_main_weights = (not self.strategy.optim_sharded and dt.compute == dt.main
+                                                 and self.extension is None)
         if offload is not None:          # main shard to the host (group_offload.py)
             self.offload_main(offload)
-        if self.strategy.weights_sharded:
+        if self.extension is not None:   # compute weights made by the parameters' class, after the wrap
+            self.model_weights = None
+            self.is_unsharded = not self.strategy.weights_sharded
+        elif self.strategy.weights_sharded:
             self.model_weights: Optional[torch.Tensor] = None
             for param in self.params:
                 param.data = torch.empty(0, dtype=dt.compute, device=self.device)
@@ -212,7 +221,7 @@ class ParamGroup(GroupExport, GroupOffload, GroupReduce):
         self.main_locals = [self._main_view(main, i) for i in range(len(self.params))]
         with torch.no_grad():
             for index, param in enumerate(self.main_params):
-                param.data = self.facing_optimizer(self.main_locals[index], index)
+                param.data = self._main_facing_optimizer(self.main_locals[index], index)
 
     # ------------------------------------------------------------------ the gradient buffer
     @property
@@ -253,7 +262,14 @@ class ParamGroup(GroupExport, GroupOffload, GroupReduce):
     def _make_main_param(self, index: int) -> nn.Parameter:
         local = self._main_view(self.main_shard, index)
         self.main_locals.append(local)
-        return nn.Parameter(self.facing_optimizer(local, index), requires_grad=self.requires_grad)
+        return nn.Parameter(self._main_facing_optimizer(local, index), requires_grad=self.requires_grad)
+
+    def _main_facing_optimizer(self, local: torch.Tensor, index: int) -> torch.Tensor:
+        """A main piece as the optimizer steps it: in the parameter's own class if that class
+        gathers itself (its protocol reads the scale a step stored on it), then as ``facing_optimizer``."""
+        if self.extension is not None:
+            local = self.extension.main_tensor(index, local)
+        return self.facing_optimizer(local, index)
 
     def write_main_values(self, index: int, full: torch.Tensor) -> None:
         """Store parameter ``index``'s values (a full tensor) in this rank's main weights (a model
@@ -272,6 +288,8 @@ class ParamGroup(GroupExport, GroupOffload, GroupReduce):
 
     def repoint_param(self, index: int) -> None:
         """Point the module's parameter ``index`` back at what this group holds for it."""
+        if self.extension is not None:
+            return                       # replaced by the compute parameter its class makes
         if self.model_weights is None:
             self.params[index].data = torch.empty(0, dtype=self.dtypes.compute, device=self.device)
         else:
@@ -293,6 +311,10 @@ class ParamGroup(GroupExport, GroupOffload, GroupReduce):
     def rebuild_compute_weights(self, async_op: bool = True) -> None:
         """Rebuild the persistent replicated compute weights from the main weights."""
         if self.compute_weights_are_main_weights:
+            return
+        if self.extension is not None and not self.strategy.weights_sharded:
+            self.wait_refresh()
+            self._pending_refresh = self.extension.refresh(self, async_op)
             return
         if self.strategy.weights_sharded:
             if self.levels is not None:          # HFSDP: the inner shard, by one outer all-gather
@@ -378,6 +400,9 @@ class ParamGroup(GroupExport, GroupOffload, GroupReduce):
         if self.levels is not None:
             self.wait_refresh()                  # HFSDP: the inner shard must hold the last step's weights
         self.is_unsharded = True
+        if self.extension is not None:
+            self._pending_unshard = self.extension.refresh(self, async_op)
+            return
         if self.layout.per_parameter:
             self._pending_unshard = self._gather_rank_major(async_op)
             return
@@ -424,11 +449,14 @@ class ParamGroup(GroupExport, GroupOffload, GroupReduce):
         if not (self.strategy.weights_sharded and self.is_unsharded):
             return
         self.wait_unshard()
+        self.is_unsharded = False
+        if self.extension is not None:
+            self.extension.free()
+            return
         for param in self.params:
             param.data = torch.empty(0, dtype=self.dtypes.compute, device=self.device)
         self.model_weights = None
         self.allocator.free(self._weights_key)
-        self.is_unsharded = False
 
     # ------------------------------------------------------------------ grads
     @property

@@ -14,6 +14,8 @@ from typing import Iterable, Optional, Sequence
 
 import torch.nn as nn
 
+from .extension_protocol import has_protocol
+
 
 @dataclass
 class UnitSpec:
@@ -89,7 +91,8 @@ def assign_units(root: nn.Module, unit_modules: Optional[Sequence[type]],
 @dataclass(frozen=True)
 class GroupSpec:
     """One parameter group of a unit: parameters of one (dtype, requires_grad, full precision,
-    expert, root child) share one flat buffer, so one collective moves them all."""
+    expert, root child, gathered through FSDP2's extension protocol) share one flat buffer, so one
+    collective moves them all."""
 
     tag: str
     dtype: object
@@ -97,6 +100,7 @@ class GroupSpec:
     full_precision: bool
     expert: bool
     entries: tuple     # ((first_name, [all names], nn.Parameter), ...)
+    extension: bool = False   # its tensors gather themselves (extension_weights.py)
 
 
 def group_specs(spec: UnitSpec, full_precision: set, experts: set, reduce_root_per_child: bool) -> list[GroupSpec]:
@@ -105,12 +109,14 @@ def group_specs(spec: UnitSpec, full_precision: set, experts: set, reduce_root_p
     buckets: dict = {}
     for first_name, names, param in spec.params:
         child = first_name.split(".", 1)[0] if reduce_root_per_child and spec.is_root and "." in first_name else ""
-        key = (param.dtype, param.requires_grad, id(param) in full_precision, id(param) in experts, child)
+        key = (param.dtype, param.requires_grad, id(param) in full_precision, id(param) in experts, child,
+               has_protocol(param))
         buckets.setdefault(key, []).append((first_name, names, param))
     out = []
-    for (dtype, requires_grad, keep_precision, expert, child), entries in buckets.items():
+    for (dtype, requires_grad, keep_precision, expert, child, extension), entries in buckets.items():
         tag = (f"{spec.fqn or '<root>'}{'/' + child if child else ''}/{str(dtype).replace('torch.', '')}/"
                f"{'grad' if requires_grad else 'frozen'}"
-               f"{'/full_precision' if keep_precision else ''}{'/experts' if expert else ''}")
-        out.append(GroupSpec(tag, dtype, requires_grad, keep_precision, expert, tuple(entries)))
+               f"{'/full_precision' if keep_precision else ''}{'/experts' if expert else ''}"
+               f"{'/' + type(entries[0][2]).__name__ if extension else ''}")
+        out.append(GroupSpec(tag, dtype, requires_grad, keep_precision, expert, tuple(entries), extension))
     return out

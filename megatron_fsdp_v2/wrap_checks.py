@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from .extension_protocol import check_param_types
 from .comm import Communicator, all_gather_single
 from .experts import check_expert_arguments, check_expert_group_inside
 from .replicas import HFSDP_STRATEGIES, split_process_group
@@ -119,6 +120,7 @@ def check_params(module: nn.Module) -> torch.device:
         if not param.is_floating_point():
             raise TypeError(f"module: parameter {name!r} has dtype {param.dtype}; only floating-point "
                             f"parameters can be sharded (float16, bfloat16, float32, float64).")
+    check_param_types(module)
     return params[0].device
 
 

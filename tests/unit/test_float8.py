@@ -170,3 +170,47 @@ def test_unknown_tensor_subclass_is_refused_on_every_rank():
         assert message is not None
         assert message.startswith("module: parameter '0.weight' is a tests.unit.test_float8.OpaqueTensor, a tensor "
                                   "subclass that fully_shard can not shard"), message
+
+
+# ---------------------------------------------------------------- torch.compile
+def compile_worker(rank, world_size, strategy, convert, where, steps):
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    model = float8_net(convert=convert)
+    if where == "block":                  # torchtitan's recipe: compile each block, then shard
+        for block in model.blocks:
+            block.compile(backend="aot_eager")
+    model = wrap(model, strategy, bf16=False)
+    if where == "model":                  # or compile the wrapped model
+        model.compile(backend="aot_eager")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(16, WIDTH, generator=g), torch.randn(16, 1, generator=g)
+    losses, breaks = [], []
+    for _ in range(steps):
+        loss = (model(x) - y).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        torchao_float8.precompute_float8_dynamic_scale_for_fsdp(model)
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / world_size)
+        breaks.append(sum(counters["graph_break"].values()))
+    return losses, breaks
+
+
+@pytest.mark.parametrize("strategy,convert,where", [("optim_grads_params", True, "block"),
+                                                    ("optim", True, "model"),
+                                                    ("no_shard", False, "block")])
+def test_compiled_training_equals_eager(strategy, convert, where):
+    """Compiled per block before wrapping, or as a whole after: the losses of eager, and no graph
+    break after the first step (ours breaks only at its unit hooks, which run eagerly)."""
+    eager = run_distributed(train_worker, 2, strategy, 5, False, True)[0] if convert else None
+    losses, breaks = run_distributed(compile_worker, 2, strategy, convert, where, 5)[0]
+    if convert:
+        assert losses == pytest.approx(eager, abs=1e-5)
+    assert losses[-1] < 0.5 * losses[0]
+    assert breaks[-1] == breaks[0], breaks

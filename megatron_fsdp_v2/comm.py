@@ -85,20 +85,33 @@ class CommStats:
 
     counts: dict = field(default_factory=lambda: {name: 0 for name in COLLECTIVES})
     nbytes: dict = field(default_factory=lambda: {name: 0 for name in COLLECTIVES})
+    # FSDP2's extension protocol: the metadata tensors (torchao's float8 scales) its gathers
+    # carried beside the gathered bytes; they stay on the rank (the class reduces their amax itself)
+    scale_count: int = 0
+    scale_bytes: int = 0
 
     def record(self, name: str, tensor: torch.Tensor) -> None:
         self.counts[name] += 1
         self.nbytes[name] += tensor.numel() * tensor.element_size()
 
+    def record_scales(self, tensors: list) -> None:
+        self.scale_count += len(tensors)
+        self.scale_bytes += sum(t.numel() * t.element_size() for t in tensors)
+
     def reset(self) -> None:
         for name in COLLECTIVES:
             self.counts[name] = 0
             self.nbytes[name] = 0
+        self.scale_count = self.scale_bytes = 0
 
     def as_dict(self) -> dict:
-        """``{collective: {"count": n, "bytes": b}}`` plus ``"total_bytes"``."""
+        """``{collective: {"count": n, "bytes": b}}`` plus ``"total_bytes"``; after gathers through
+        FSDP2's extension protocol also ``"gather_scales"``: the metadata tensors (float8 scales)
+        they used, not in ``"total_bytes"`` (computed on every rank, not sent by us)."""
         out = {name: {"count": self.counts[name], "bytes": self.nbytes[name]} for name in COLLECTIVES}
         out["total_bytes"] = sum(self.nbytes.values())
+        if self.scale_count:
+            out["gather_scales"] = {"count": self.scale_count, "bytes": self.scale_bytes}
         return out
 
 

@@ -92,6 +92,7 @@ class ExtensionWeights:
         """Compute weights from the main weights: a local cast (``no_shard``) or one all-gather of the
         group's outputs as bytes, ``post`` once it has landed."""
         pres = [self._pre(group, i) for i in range(len(self.templates))]
+        group.comm.stats.record_scales([t for _, metadata in pres for t in _tensors_in(metadata)])
         if not group.strategy.optim_sharded:
             for index, (outputs, metadata) in enumerate(pres):
                 self._land(index, outputs)
@@ -177,6 +178,12 @@ class ExtensionWeights:
                     seen.add(storage.data_ptr())
                     total += storage.nbytes()
         return total
+
+
+def _tensors_in(metadata) -> list:
+    """The tensors in a protocol's metadata (any nesting of tuples, lists and dicts)."""
+    from torch.utils._pytree import tree_leaves
+    return [leaf for leaf in tree_leaves(metadata) if isinstance(leaf, torch.Tensor)]
 
 
 def _contiguous_stride(shape: torch.Size) -> tuple:

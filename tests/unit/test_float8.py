@@ -131,8 +131,9 @@ def holdings_worker(rank, world_size, strategy, convert):
     model.reset_comm_stats()
     model(torch.randn(4, WIDTH, dtype=torch.bfloat16)).float().sum().backward()
     hook.remove()
+    stats = model.comm_stats()
     return {"main": type(local).__name__, "main_dtype": local.dtype, **seen,
-            "gather_bytes": model.comm_stats()["all_gather"]["bytes"]}
+            "gather_bytes": stats["all_gather"]["bytes"], "scales": stats.get("gather_scales")}
 
 
 @pytest.mark.parametrize("strategy", ["optim_grads_params"])
@@ -148,6 +149,8 @@ def test_zero3_gathers_float8_bytes(strategy):
     block_weights_bf16 = 2 * (2 * WIDTH * WIDTH) * 2      # fc1 + fc2 weights of one block in bf16
     gathers = 2 * 3                                       # each block: in forward, again in backward
     assert bf16["gather_bytes"] - fp8["gather_bytes"] == gathers * block_weights_bf16 // 2, (bf16, fp8)
+    # one fp32 scale per float8 weight per gather; none without float8
+    assert fp8["scales"] == {"count": gathers * 2, "bytes": gathers * 2 * 4} and bf16["scales"] is None
 
 
 # ---------------------------------------------------------------- refusals

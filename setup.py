@@ -13,6 +13,9 @@ setup(
         "megatron": ["megatron-core==0.19.2", "psutil", "einops"],
         "test": ["pytest", "hypothesis"],
         "te": ["transformer-engine"],
-        "bench": ["matplotlib"],
+        # transformers: benchmarks/bench_llama.py's LlamaForCausalLM
+        "bench": ["matplotlib", "transformers"],
+        # torchao float8 training (benchmarks/bench_llama.py's fp8 systems, issue 47)
+        "float8": ["torchao>=0.18"],
     },
 )

@@ -98,7 +98,8 @@ def build_units(model: PreparedModel, strategy, groups: WrapGroups, world, alloc
                                main_segment=in_segment, from_meta=model.from_meta,
                                extension=_extension(model, gspec, groups.experts if gspec.expert else shard_comm,
                                                     meshes, resolve_dtypes(gspec.dtype, policy, gspec.requires_grad,
-                                                                           gspec.full_precision)))
+                                                                           gspec.full_precision),
+                                                    offloaded=index in to_host, hybrid=world is not None))
             group.all_names = [e[1] for e in entries]
             group.param_dtype = gspec.dtype
             unit_groups.append(group)
@@ -117,10 +118,20 @@ def build_units(model: PreparedModel, strategy, groups: WrapGroups, world, alloc
     return units
 
 
-def _extension(model: PreparedModel, gspec, comm, meshes: dict, dtypes) -> Optional[ExtensionWeights]:
-    """A group of parameters that gather themselves: their classes and owners (extension_weights.py)."""
+def _extension(model: PreparedModel, gspec, comm, meshes: dict, dtypes, offloaded: bool,
+               hybrid: bool) -> Optional[ExtensionWeights]:
+    """A group of parameters that gather themselves: their classes and owners (extension_weights.py).
+    Not with offload or HFSDP: their gathers read a host copy or gather twice, which the protocol's
+    one pre / one gather / one post does not describe."""
     if not gspec.extension:
         return None
+    if offloaded or hybrid:
+        name, kind = gspec.entries[0][0], type(gspec.entries[0][2]).__name__
+        what = "offload (OffloadPolicy)" if offloaded else "outer_sharding_strategy='optim' (HFSDP)"
+        raise ValueError(f"{'offload' if offloaded else 'outer_sharding_strategy'}: parameter {name!r} is a {kind} "
+                         f"that gathers itself (FSDP2's all-gather extension, e.g. torchao float8); {what} is not "
+                         "supported for such parameters; allowed: no offload of their groups, hybrid sharding with "
+                         "outer_sharding_strategy='no_shard'.")
     if id(comm) not in meshes:
         meshes[id(comm)] = mesh_of_group(comm.group, model.device)
     return ExtensionWeights.for_entries(model.specs[0].module, gspec.entries, meshes[id(comm)], dtypes)

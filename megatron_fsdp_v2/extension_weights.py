@@ -84,7 +84,8 @@ class ExtensionWeights:
                                                self.owners[index], self.mp_policy)
         if not group.strategy.optim_sharded:
             return list(outputs), metadata
-        rows_here, piece_rows = local.shape[0], group.layout.piece_rows[index]
+        rows_here = local.shape[0]
+        piece_rows = group.layout.piece_rows[index] if group.layout.per_parameter else rows_here
         return [_pad_rows(out, rows_here, piece_rows) for out in outputs], metadata
 
     # ------------------------------------------------------------------ the weights

@@ -217,3 +217,19 @@ def test_compiled_training_equals_eager(strategy, convert, where):
         assert losses == pytest.approx(eager, abs=1e-5)
     assert losses[-1] < 0.5 * losses[0]
     assert breaks[-1] == breaks[0], breaks
+
+
+def offload_refused_worker(rank, world_size):
+    from megatron_fsdp_v2 import OffloadPolicy
+    try:
+        fully_shard(float8_net(), sharding_strategy="optim_grads_params", unit_modules=[Block],
+                    offload=OffloadPolicy(fraction=1.0))
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def test_offloading_float8_weights_is_refused_on_every_rank():
+    for message in run_distributed(offload_refused_worker, 2):
+        assert message is not None and message.startswith("offload: parameter '"), message
+        assert "WeightWithDynamicFloat8CastTensor that gathers itself" in message and "allowed:" in message

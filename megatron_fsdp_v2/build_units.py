@@ -25,6 +25,7 @@ from .optimizer_hook import mark_replaced
 from .grad_buffer import reserve_gradient_segment
 from .main_segment import compact, shares_main_segment
 from .param_group import ParamGroup
+from .param_swap import register_in_place_of
 from .row_sharded import mesh_of_group
 from .unit_state import Unit
 from .units import assign_units, group_specs
@@ -141,8 +142,6 @@ def install_extension_params(module: nn.Module, units: list) -> None:
     """Make the compute parameters of groups that gather themselves (one gather each, ZeRO-3's freed
     again) and register them where the original parameters were: the original tensors held a
     stale copy of the weights, and the compute parameter is the class's own (e.g. float8) tensor."""
-    slots = [(owner, leaf, param) for owner in module.modules() for leaf, param in owner._parameters.items()
-             if param is not None]
     for group in (g for unit in units for g in unit.groups if g.extension is not None):
         if group.strategy.weights_sharded:
             group.unshard(async_op=False)
@@ -151,10 +150,7 @@ def install_extension_params(module: nn.Module, units: list) -> None:
             group.rebuild_compute_weights(async_op=False)
             group.wait_refresh()
         for index, compute in enumerate(group.extension.compute_params):
-            original = group.params[index]
-            for owner, leaf, param in slots:
-                if param is original:
-                    owner._parameters[leaf] = compute
+            register_in_place_of(module, group.params[index], compute)
             group.params[index] = compute
 
 

@@ -23,7 +23,16 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-__all__ = ["ParamSlots"]
+__all__ = ["ParamSlots", "register_in_place_of"]
+
+
+def register_in_place_of(module: nn.Module, old: nn.Parameter, new: nn.Parameter) -> None:
+    """Every registration of ``old`` in ``module``'s tree (tied names included) holds ``new`` instead
+    (a tensor class whose data lives in Python attributes can not take ``.data =``)."""
+    for owner in module.modules():
+        for leaf, param in owner._parameters.items():
+            if param is old:
+                owner._parameters[leaf] = new
 
 
 class ParamSlots:

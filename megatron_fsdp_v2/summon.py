@@ -13,7 +13,9 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.nn as nn
 
+from .param_swap import register_in_place_of
 from .phase import Phase
 from .shard_order import own_from_natural
 
@@ -51,6 +53,7 @@ def summon_full_params(module, recurse: bool = True, writeback: bool = True, ran
     if receives:
         engine.param_slots.hold_compute()      # the full weights go on the compute parameters
     restore = []
+    stand_ins = []                          # (compute parameter, the plain full one registered meanwhile)
     gathered = []
     with torch.no_grad():
         for group in engine.groups:
@@ -65,10 +68,17 @@ def summon_full_params(module, recurse: bool = True, writeback: bool = True, ran
             if not receives:
                 continue
             for index, param in enumerate(group.params):
+                frozen = full_grad is None or not group.reduced[index]     # frozen since wrapping: None
+                grad = None if frozen else group.full_param(full_grad, index)
+                if group.extension is not None:      # a class that gathers itself: a plain parameter instead
+                    stand_in = nn.Parameter(group.full_param(full_main, index), requires_grad=param.requires_grad)
+                    stand_in.grad = grad
+                    register_in_place_of(module, param, stand_in)
+                    stand_ins.append((param, stand_in))
+                    continue
                 restore.append((param, param.data, param.grad))
                 param.data = group.full_param(full_main, index)
-                frozen = full_grad is None or not group.reduced[index]     # frozen since wrapping: None
-                param.grad = None if frozen else group.full_param(full_grad, index)
+                param.grad = grad
     try:
         yield module
     finally:
@@ -76,6 +86,8 @@ def summon_full_params(module, recurse: bool = True, writeback: bool = True, ran
             for param, data, grad in restore:
                 param.data = data
                 param.grad = grad
+            for param, stand_in in stand_ins:
+                register_in_place_of(module, stand_in, param)
             if held_main:
                 engine.param_slots.hold_main()
             if writeback:

@@ -233,3 +233,60 @@ def test_offloading_float8_weights_is_refused_on_every_rank():
     for message in run_distributed(offload_refused_worker, 2):
         assert message is not None and message.startswith("offload: parameter '"), message
         assert "WeightWithDynamicFloat8CastTensor that gathers itself" in message and "allowed:" in message
+
+
+def checkpoint_worker(rank, world_size, path, save_strategy, load_strategy):
+    """Train 3 steps, save; a fresh model of another strategy loads it and must hold the same
+    weights; both continue one step to the same loss."""
+    from megatron_fsdp_v2 import load_checkpoint, save_checkpoint
+    g = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(16, WIDTH, generator=g), torch.randn(16, 1, generator=g)
+
+    def step(model, opt):
+        loss = (model(x) - y).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        torchao_float8.precompute_float8_dynamic_scale_for_fsdp(model)
+        return loss.item()
+
+    model = wrap(float8_net(), save_strategy, bf16=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(3):
+        step(model, opt)
+    save_checkpoint(path, model, opt)
+    saved = model.full_state_dict()
+    loaded = wrap(float8_net(seed=1), load_strategy, bf16=False)
+    opt2 = torch.optim.AdamW(loaded.parameters(), lr=1e-2)
+    load_checkpoint(path, loaded, opt2)
+    torchao_float8.precompute_float8_dynamic_scale_for_fsdp(loaded)
+    same = all(torch.equal(saved[k], v) for k, v in loaded.full_state_dict().items())
+    return same, step(model, opt), step(loaded, opt2)
+
+
+@pytest.mark.parametrize("save_strategy,load_strategy", [("optim_grads_params", "optim"), ("no_shard", "optim_grads")])
+def test_checkpoint_round_trip_across_strategies(tmp_path, save_strategy, load_strategy):
+    for same, continued, resumed in run_distributed(checkpoint_worker, 2, str(tmp_path / "ckpt"), save_strategy,
+                                                    load_strategy):
+        assert same
+        assert resumed == pytest.approx(continued, abs=1e-6)
+
+
+def summon_worker(rank, world_size, strategy):
+    model = wrap(float8_net(), strategy, bf16=False)
+    full = model.full_state_dict()["blocks.0.fc1.weight"]
+    with model.summon_full_params():
+        weight = model.blocks[0].fc1.weight
+        seen = (type(weight).__name__, torch.equal(weight.detach(), full))
+        weight.data.mul_(2)
+    written = torch.equal(model.full_state_dict()["blocks.0.fc1.weight"], 2 * full)
+    return seen, written, type(model.blocks[0].fc1.weight).__name__
+
+
+@pytest.mark.parametrize("strategy", ["no_shard", "optim_grads_params"])
+def test_summon_full_params_puts_plain_full_weights_and_writes_back(strategy):
+    """A float8 weight can not take ``.data =``: the full fp32 weight stands in as a plain
+    parameter while summoned, its edits are written back, the main parameter returns after."""
+    seen, written, after = run_distributed(summon_worker, 2, strategy)[0]
+    assert seen == ("Parameter", True) and written
+    assert after == ("WeightWithDynamicFloat8CastTensor" if strategy == "no_shard" else "DTensor"), after

@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-__all__ = ["check_param_types", "has_protocol", "pre_all_gather", "rewrap"]
+__all__ = ["TensorClass", "check_param_types", "has_protocol", "pre_all_gather"]
 
 
 def has_protocol(tensor: torch.Tensor) -> bool:
@@ -80,13 +80,23 @@ def _check_arity(name: str, kind: str, method) -> None:
                         "mp_policy).")
 
 
-def rewrap(template: torch.Tensor, inner: torch.Tensor) -> torch.Tensor:
-    """A tensor of ``template``'s class and settings whose data is ``inner`` (our main shard):
-    its ``__tensor_flatten__`` names the data first, as torchao's and TE's classes do; any other
-    inner tensor (a cached scale) is dropped, to be computed again from the new data."""
-    names, context = template.__tensor_flatten__()
-    stride = inner.stride()
-    return type(template).__tensor_unflatten__({names[0]: inner}, context, inner.size(), stride)
+class TensorClass:
+    """A protocol tensor's class and settings without its data (``__tensor_flatten__``'s context):
+    what ``rewrap`` needs to hold our main shard in that class. Keeping the original tensor instead
+    would keep its full-size data alive on every rank."""
+
+    cls: type
+    data_name: str            # the data's name in __tensor_flatten__ (its first inner tensor)
+    context: Any
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        names, self.context = tensor.__tensor_flatten__()
+        self.cls, self.data_name = type(tensor), names[0]
+
+    def rewrap(self, inner: torch.Tensor) -> torch.Tensor:
+        """A tensor of this class whose data is ``inner`` (our main shard): any other inner tensor
+        of the original (a cached scale) is left out, to be computed again from the new data."""
+        return self.cls.__tensor_unflatten__({self.data_name: inner}, self.context, inner.size(), inner.stride())
 
 
 def pre_all_gather(local: torch.Tensor, mesh, orig_size: torch.Size, orig_stride: tuple, module: nn.Module,

@@ -5,8 +5,8 @@ weights as any group does; only the compute weights differ. Where a plain group 
 shard into a flat compute buffer and gathers that, this one asks each parameter's class
 (extension_protocol.py, [Note: gathered through the tensor's own protocol]):
 
-* ``no_shard``: ``pre`` on the whole main weight, its outputs copied into the compute weight's
-  storage, ``post``: a local cast, no collective;
+* ``no_shard`` (and any strategy over one rank): ``pre`` on the whole main weight, its outputs
+  copied into the compute weight's storage, ``post``: a local cast, no collective;
 * ZeRO-1/2: ``pre`` on this rank's main shard after the step, one all-gather of every output of
   the group's parameters (as bytes: float8 travels as uint8, which gloo accepts), ``post``;
   deferred to the next forward, as FSDP2 gathers, so a scale that
@@ -16,7 +16,7 @@ shard into a flat compute buffer and gathers that, this one asks each parameter'
 
 The main weight and the compute weight relate as FSDP2's sharded and unsharded parameters: the
 main parameter's local tensor is the parameter's own class wrapping our fp32 main shard
-(``rewrap``), the optimizer steps it in place, and ``pre`` reads it; the compute parameter is what
+(``TensorClass.rewrap``), the optimizer steps it in place, and ``pre`` reads it; the compute parameter is what
 ``post`` returned on the first gather (e.g. a ``Float8TrainingTensor``), refilled in place with
 ``out=`` on every later one. Gradients are plain high-precision tensors and reduce as in any group.
 
@@ -34,16 +34,16 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from .comm import PendingCollective
-from .extension_protocol import pre_all_gather, rewrap
+from .extension_protocol import TensorClass, pre_all_gather
 
 __all__ = ["ExtensionWeights"]
 
 
 class ExtensionWeights:
-    """Per parameter of one group: its class (``templates``), the module it is registered on,
+    """Per parameter of one group: its class (``classes``), the module it is registered on,
     the tensors its gathers land in and the compute parameter ``post`` made of them."""
 
-    templates: list            # each parameter's original tensor: its class and settings
+    classes: list              # each parameter's TensorClass: its class and settings, not its data
     owners: list               # the module each parameter is registered on (5-argument pre)
     mesh: Any                  # the DeviceMesh handed to pre (dynamic scales reduce their amax over it)
     mp_policy: Any             # torch FSDP2's MixedPrecisionPolicy of the group's dtypes (5-argument pre)
@@ -52,14 +52,14 @@ class ExtensionWeights:
     compute_params: list       # per parameter: the nn.Parameter forward computes with (None before the first)
     gathered: bool             # whether the storages hold this step's weights
 
-    def __init__(self, templates: list, owners: list, mesh, mp_policy) -> None:
-        self.templates = templates
+    def __init__(self, classes: list, owners: list, mesh, mp_policy) -> None:
+        self.classes = classes
         self.owners = owners
         self.mesh = mesh
         self.mp_policy = mp_policy
-        self.outputs = [None] * len(templates)
-        self.inner = [[] for _ in templates]
-        self.compute_params = [None] * len(templates)
+        self.outputs = [None] * len(classes)
+        self.inner = [[] for _ in classes]
+        self.compute_params = [None] * len(classes)
         self.gathered = False
 
     @classmethod
@@ -68,11 +68,11 @@ class ExtensionWeights:
         from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecision
         owners = [root.get_submodule(name.rpartition(".")[0]) for name, _, _ in entries]
         policy = TorchMixedPrecision(param_dtype=dtypes.compute, reduce_dtype=dtypes.grad_comm)
-        return cls([param.detach() for _, _, param in entries], owners, mesh, policy)
+        return cls([TensorClass(param) for _, _, param in entries], owners, mesh, policy)
 
     def main_tensor(self, index: int, local: torch.Tensor) -> torch.Tensor:
         """Our main piece ``local`` in parameter ``index``'s own class (what the optimizer steps)."""
-        return rewrap(self.templates[index], local)
+        return self.classes[index].rewrap(local)
 
     # ------------------------------------------------------------------ pre
     def _pre(self, group, index: int) -> tuple[list, Any]:
@@ -92,9 +92,9 @@ class ExtensionWeights:
     def refresh(self, group, async_op: bool) -> PendingCollective:
         """Compute weights from the main weights: a local cast (``no_shard``) or one all-gather of the
         group's outputs as bytes, ``post`` once it has landed."""
-        pres = [self._pre(group, i) for i in range(len(self.templates))]
+        pres = [self._pre(group, i) for i in range(len(self.classes))]
         group.comm.stats.record_scales([t for _, metadata in pres for t in _tensors_in(metadata)])
-        if not group.strategy.optim_sharded:
+        if not group.strategy.optim_sharded or group.comm.size == 1:       # nothing to gather: a cast
             for index, (outputs, metadata) in enumerate(pres):
                 self._land(index, outputs)
                 self._post(group, index, metadata)
@@ -129,7 +129,8 @@ class ExtensionWeights:
         return PendingCollective(work, copy_out)
 
     def _land(self, index: int, outputs: list) -> None:
-        """``no_shard``: the cast's outputs become (first time) or are copied into the storage."""
+        """A cast (``no_shard``, or a group of one rank): its outputs become (first time) or are copied
+        into the storage."""
         if self.outputs[index] is None:
             self.outputs[index] = outputs
             return

@@ -71,6 +71,15 @@ def _no_effect(field: str, flag: Optional[str], what: str, why: str, when=_DEFAU
     return Setting(field, flag, Verdict.NO_EFFECT, what, why, when)
 
 
+def _fp8_param_gather_without_te(value, context) -> bool:
+    """--fp8-param-gather needs Transformer Engine's float8 parameter classes (they implement FSDP2's
+    all-gather extension, TE PRs #2245 and #2789); without TE there is nothing to gather in FP8."""
+    if not value:
+        return False
+    from .wrap_settings import transformer_engine_installed
+    return not transformer_engine_installed()
+
+
 def main_params_dtype(model_config, ddp_config) -> torch.dtype:
     """The main weights' dtype: ``megatron_fsdp_main_params_dtype``, or with ``None`` (Megatron-
     FSDP: the compute weights are the main weights) the compute dtype."""
@@ -218,7 +227,11 @@ DDP_SETTINGS: Dict[str, Setting] = {s.field: s for s in (
     _no_effect("average_in_collective", "--ddp-average-in-collective", "no effect; warns when True",
                "gradients are summed in the collective and divided by the data-parallel size afterwards, in "
                "the gradient dtype (the same mean)"),
-    _refused("fp8_param_gather", "--fp8-param-gather", "refused when True", "FP8 compute weights are not supported"),
+    _refused("fp8_param_gather", "--fp8-param-gather",
+             "honoured with Transformer Engine installed; refused when True without it",
+             "its FP8 parameters are Transformer Engine's Float8Tensor / MXFP8Tensor, gathered through FSDP2's "
+             "all-gather extension (extension_weights.py), and Transformer Engine is not installed",
+             when=_fp8_param_gather_without_te),
     _refused("fp4_param_gather", "--fp4-param-gather", "refused when True", "FP4 compute weights are not supported"),
     _refused("reuse_grad_buf_for_mxfp8_param_ag", "--reuse-grad-buf-for-mxfp8-param-ag", "refused when True",
              "MXFP8 parameter all-gathers are not supported"),
@@ -311,7 +324,7 @@ OPTIMIZER_SETTINGS: Dict[str, Setting] = {s.field: s for s in (
     _honoured("weight_decay", "--weight-decay", _MEGATRON,
               "which parameters decay is decided on their original shapes (with_original_shapes)"),
     _honoured("apply_wd_to_qk_layernorm", "--apply-wd-to-qk-layernorm", _MEGATRON),
-    _honoured("fp8_recipe", "--fp8-recipe", "honoured: read only with FP8 weights, which the wrapper refuses"),
+    _honoured("fp8_recipe", "--fp8-recipe", "honoured: read by Transformer Engine with --fp8-format / --fp8-param-gather (refused without it)"),
     _refused("fp16", "--fp16", "honoured with optimizer='adam' (loss scaling); refused with 'sgd'",
              "loss scaling needs optimizer='adam' (sgd runs FP32Optimizer on the fp32 main weights)",
              when=_fp16_with_sgd),

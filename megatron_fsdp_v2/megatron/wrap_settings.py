@@ -80,8 +80,9 @@ def _unsupported_settings(config: TransformerConfig, ddp_config: DistributedData
         check(module is not None and any(p.is_meta for p in module.parameters()),
               "init_model_with_meta_device=True (--init-model-with-meta-device) with expert parameters "
               "(--num-experts): every expert-parallel rank would initialize its experts alike")
-    check(getattr(config, "fp8", None) is not None,
-          f"fp8={config.fp8!r} (--fp8-format): FP8 compute weights are not supported")
+    check(getattr(config, "fp8", None) is not None and not transformer_engine_installed(),
+          f"fp8={config.fp8!r} (--fp8-format): FP8 compute runs in Transformer Engine's modules, and Transformer "
+          "Engine is not installed")
     check(getattr(config, "fp4", None) is not None,
           f"fp4={getattr(config, 'fp4', None)!r} (--fp4-format): FP4 compute weights are not supported")
     check(bool(getattr(config, "gradient_accumulation_fusion", False)),
@@ -94,6 +95,12 @@ def _unsupported_settings(config: TransformerConfig, ddp_config: DistributedData
           "delay_wgrad_compute=True (--delay-wgrad-compute): weight gradients computed later by backward_dw() "
           "would bypass this wrapper's gradient reduction")
     return problems
+
+
+def transformer_engine_installed() -> bool:
+    """FP8 in Megatron means Transformer Engine's modules and float8 parameter classes."""
+    import importlib.util
+    return importlib.util.find_spec("transformer_engine") is not None
 
 
 def offload_policy(config) -> Optional[OffloadPolicy]:

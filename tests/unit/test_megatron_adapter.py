@@ -531,6 +531,9 @@ def test_errors_name_the_setting(two_ranks):
     assert errors["model_parallel"] == []        # TP, PP, CP and sequence parallel are accepted
     assert "gradient_accumulation_fusion" in errors["grad_accum_fusion"]
     assert "fp8_param_gather" in errors["fp8_param_gather"]
+    if importlib.util.find_spec("transformer_engine") is None:     # with TE the flag is honoured
+        assert "--fp8-param-gather" in errors["fp8_param_gather"]
+        assert "Transformer Engine is not installed" in errors["fp8_param_gather"], errors["fp8_param_gather"]
     assert "outer_dp_sharding_strategy='optim'" in errors["outer_sharding"]
     assert "fp16" in errors["sgd_fp16"] and errors["sgd_fp16"].startswith("ValueError")
     assert errors == two_ranks[1]["errors"]

@@ -157,6 +157,22 @@ def _reset_process_state():
     torch.set_num_threads(1)
     torch.set_float32_matmul_precision("highest")
     torch.set_flush_denormal(False)
+    _clear_dtensor_caches()
+
+
+def _clear_dtensor_caches() -> None:
+    """DTensor caches op shardings by spec, and two DeviceMeshes over the same ranks compare equal
+    whatever their process group: a case could get an output spec cached by an earlier case, whose
+    group the pool has destroyed since (torch 2.11: "Could not resolve the process group registered
+    under the name 1" in FSDP2's full state dict)."""
+    if "torch.distributed.tensor" not in sys.modules:
+        return
+    from torch.distributed.tensor import DTensor
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    for cached in (getattr(propagator, "propagate_op_sharding", None),
+                   getattr(propagator, "_propagate_tensor_meta_cached", None)):
+        if hasattr(cached, "cache_clear"):
+            cached.cache_clear()
 
 
 # Functions ``patch_megatron_for_cpu`` (tests/megatron_cpu.py) replaces, as (module, attribute path).

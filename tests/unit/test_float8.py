@@ -206,7 +206,9 @@ def compile_worker(rank, world_size, strategy, convert, where, steps):
 
 
 @pytest.mark.parametrize("strategy,convert,where", [("optim_grads_params", True, "block"),
+                                                    ("optim_grads", True, "block"),
                                                     ("optim", True, "model"),
+                                                    ("no_shard", True, "model"),
                                                     ("no_shard", False, "block")])
 def test_compiled_training_equals_eager(strategy, convert, where):
     """Compiled per block before wrapping, or as a whole after: the losses of eager, and no graph

@@ -12,7 +12,7 @@ TORCH_VENV := .venv-torch$(TORCH_VERSION)
 TORCH_PY := $(TORCH_VENV)/bin/python
 TORCH_TESTS ?= tests/unit/test_tensor_fidelity.py tests/unit/test_parity.py \
 	$(wildcard tests/unit/test_megatron_*.py) tests/unit/test_torch_like_params.py \
-	tests/unit/test_fsdp2_habits.py
+	tests/unit/test_fsdp2_habits.py tests/unit/test_gather_protocol.py
 # Left out by default to fit CI's time (.ci/run runs two releases after `make test`); the same
 # code paths run at other sizes in the files above. `TORCH_DESELECT=` runs them all.
 TORCH_DESELECT ?= \

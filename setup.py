@@ -11,7 +11,8 @@ setup(
         # psutil: megatron.core.dist_checkpointing's checkpoint writer (--ckpt-format torch_dist);
         # einops: parallel_state's groups for --num-distributed-optimizer-instances > 1
         "megatron": ["megatron-core==0.19.2", "psutil", "einops"],
-        "test": ["pytest", "hypothesis"],
+        # torchao, transformers: the float8 tests (tests/unit/test_float8.py) and bench_llama's smoke test
+        "test": ["pytest", "hypothesis", "torchao>=0.18", "transformers"],
         "te": ["transformer-engine"],
         # transformers: benchmarks/bench_llama.py's LlamaForCausalLM
         "bench": ["matplotlib", "transformers"],

@@ -164,7 +164,8 @@ def load_fsdp_dtensor_checkpoint(path: "str | os.PathLike", wrapper, optimizer=N
     error = None if is_fsdp_dtensor_keys(metadata) else ValueError(
         f"load_fsdp_dtensor_checkpoint({path!r}): not an fsdp_dtensor checkpoint (no 'model.module.*' keys).")
     error = error or _check_layout(wrapper, metadata, [_bare(n) for n in names])
-    raise_on_every_rank(None, error, f"load_fsdp_dtensor_checkpoint({path!r})")
+    raise_on_every_rank(None, error, f"load_fsdp_dtensor_checkpoint({path!r})",
+                        "load_fsdp_dtensor_checkpoint: checking the checkpoint")
     request, ours, optim = _requests(module, torch_optimizer, metadata)
     dcp.load(request, storage_reader=reader, planner=DefaultLoadPlanner(allow_partial_load=False))
     module.load_state_dict(ours)
@@ -203,7 +204,8 @@ def save_fsdp_dtensor_checkpoint(path: "str | os.PathLike", wrapper, optimizer=N
     # optimizer's: parameter names in the model chunk (Megatron-FSDP's adapter, Megatron-FSDP, Float16Module)
     model_prefix, state_prefix = "module.", "module.module." + getattr(wrapper, "_ckpt_prefix", "")
     error = _check_layout(wrapper, {}, [])
-    raise_on_every_rank(None, error, f"save_fsdp_dtensor_checkpoint({os.fspath(path)!r})")
+    raise_on_every_rank(None, error, f"save_fsdp_dtensor_checkpoint({os.fspath(path)!r})",
+                        "save_fsdp_dtensor_checkpoint: checking the layout")
     out = OrderedDict((f"{_MODEL}{model_prefix}{_bare(n)}", v) for n, v in model_state_dict(module).items()
                       if not n.endswith("._extra_state"))
     if torch_optimizer is not None:

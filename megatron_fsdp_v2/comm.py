@@ -54,7 +54,7 @@ def wait_pending(pending: Optional[PendingCollective]) -> None:
     pending.on_complete()
 
 
-COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "all_to_all")
 
 # torch 2.13 renamed the flat-tensor collectives (all_gather_into_tensor -> all_gather_single,
 # reduce_scatter_tensor -> reduce_scatter_single) and the old names print a FutureWarning at every
@@ -126,10 +126,11 @@ class Communicator:
         self.check_sequence = os.environ.get(CHECK_SEQUENCE_ENV, "0") not in ("", "0")
         self._sequence = 0
 
-    def _check_same_collective(self, kind: str, tensor: torch.Tensor, label: str) -> None:
-        """[Note: checking the sequence of collectives]: raise on every rank at the first mismatch."""
+    def _check_same_collective(self, kind: str, tensor: torch.Tensor, label: str, numel: Optional[int] = None) -> None:
+        """[Note: checking the sequence of collectives]: raise on every rank at the first mismatch
+        (``numel``: the size every rank names, where ``tensor``'s own differs between ranks)."""
         self._sequence += 1
-        what = f"{kind} of {tensor.numel()} x {str(tensor.dtype).replace('torch.', '')} for {label or '?'}"
+        what = f"{kind} of {tensor.numel() if numel is None else numel} x {str(tensor.dtype).replace('torch.', '')} for {label or '?'}"
         mine = torch.tensor([_fingerprint(what)], dtype=torch.int64, device=tensor.device)
         everyone = torch.empty(self.size, dtype=torch.int64, device=tensor.device)
         all_gather_single(everyone, mine, group=self.group)
@@ -170,6 +171,21 @@ class Communicator:
             self._check_same_collective("all_reduce", tensor, label)
         self.stats.record("all_reduce", tensor)
         return dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
+
+    def all_to_all(self, output: torch.Tensor, send: torch.Tensor, output_splits: list, send_splits: list,
+                   covered_numel: int, async_op: bool = False, label: str = ""):
+        """Send ``send``'s consecutive pieces of ``send_splits`` elements to ranks 0, 1, ... and
+        receive every rank's piece for this rank into ``output`` (``output_splits``, in rank order).
+
+        Counted as ``covered_numel`` elements of ``send``'s dtype: what the exchange moves over all
+        ranks together, the same number on every rank (as an all-gather counts its whole output), which
+        the caller knows from a plan every rank shares (e.g. optim/matrix_owners.py's)."""
+        if self.check_sequence:
+            self._check_same_collective("all_to_all", send, label, numel=covered_numel)
+        self.stats.counts["all_to_all"] += 1
+        self.stats.nbytes["all_to_all"] += covered_numel * send.element_size()
+        return dist.all_to_all_single(output, send, list(output_splits), list(send_splits), group=self.group,
+                                      async_op=async_op)
 
     def all_gather_object(self, obj) -> list:
         """Every rank's picklable ``obj`` (error paths only: never on the training schedule)."""

@@ -294,6 +294,25 @@ def test_muon_checkpoint_saved_at_dp2_resumes_at_dp3(tmp_path):
         assert diff <= 1e-6, diff
 
 
+def fresh_checkpoint_worker(rank, world, path):
+    """Saved before any step (no state yet: the state a first step would make, made without
+    stepping), then loaded into another model and optimizer."""
+    torch.manual_seed(0)
+    model = fully_shard(MuonNet(), sharding_strategy="optim", unit_modules=[MuonBlock])
+    opt = _muon_for(model)
+    save_checkpoint(path, model, opt)
+    assert not opt.state
+    other = fully_shard(MuonNet(), sharding_strategy="optim_grads_params", unit_modules=[MuonBlock])
+    other_opt = _muon_for(other)
+    load_checkpoint(path, other, other_opt)
+    return sorted({key for state in other_opt.state.values() for key in state})
+
+
+def test_muon_checkpoint_before_the_first_step(tmp_path):
+    for keys in run_distributed(fresh_checkpoint_worker, 2, str(tmp_path / "ckpt")):
+        assert keys == ["exp_avg", "exp_avg_sq", "momentum_buffer", "step"]
+
+
 def test_owners_balance_bytes_largest_first():
     assert assign_owners([10, 40, 30, 20], 2) == (0, 0, 1, 1)       # 40 -> 0, 30 -> 1, 20 -> 1, 10 -> 0
     assert assign_owners([5, 5, 5], 4) == (0, 1, 2)

@@ -33,10 +33,9 @@ from torch.optim import Optimizer
 from torch.optim.adam import adam
 
 from ..row_sharded import local_piece
-from .matrix_bucket import MatrixBucket
-from .newton_schulz import (ADJUST_LR_FNS, DEFAULT_EPS, DEFAULT_NS_COEFFICIENTS, DEFAULT_NS_STEPS, adjusted_lr,
-                            momentum_update, zeropower_via_newtonschulz)
-from .placement import matrix_rows
+from .matrix_bucket import transform_whole_matrices
+from .newton_schulz import (ADJUST_LR_FNS, DEFAULT_EPS, DEFAULT_NS_COEFFICIENTS, DEFAULT_NS_STEPS, WIRE_DTYPE,
+                            adjusted_lr, momentum_update, zeropower_via_newtonschulz)
 
 __all__ = ["Muon"]
 
@@ -112,44 +111,20 @@ class Muon(Optimizer):
             for p in group["params"]:
                 if p.grad is not None:
                     (matrices if self.uses_muon(group, p) else others).append((group, p))
-        whole, buckets = self._buckets(matrices)
-        for bucket, members in buckets:          # momentum on this rank's rows; the rows leave
-            for index, (group, p) in enumerate(members):
-                bucket.put_rows(index, self._momentum(group, p))
-            bucket.start_gather()
-        self._adamw_step(others)                 # meanwhile: AdamW, whole matrices, weight decay
-        for group, p in whole:
-            self._whole_matrix_step(group, p)
-        for _, members in buckets:
-            for group, p in members:
-                local_piece(p).mul_(1 - _scalar(group["lr"]) * group["weight_decay"])
-        for bucket, members in buckets:
-            bucket.orthogonalize(lambda index, matrix, members=members: _orthogonalize(members[index][0], matrix))
-        for bucket, members in buckets:
-            for index, (group, p) in enumerate(members):
-                local = local_piece(p)
-                local.add_(bucket.update_rows(index, local.shape),
-                           alpha=-adjusted_lr(_scalar(group["lr"]), group["adjust_lr_fn"], p.shape))
-        return loss
+        # momentum on this rank's rows; the matrices to orthogonalize leave for their owners
+        updates = [self._momentum(group, p) for group, p in matrices]
 
-    def _buckets(self, matrices: list) -> tuple[list, list]:
-        """(matrices every rank holds whole, [(MatrixBucket, its (group, param)s)] per process group)."""
-        whole, by_comm = [], {}
-        for group, p in matrices:
-            key = id(p)
-            if key not in self._rows:
-                self._rows[key] = matrix_rows(p, self._communicators, f"Muon: parameter of shape {tuple(p.shape)}")
-            rows = self._rows[key]
-            if rows is None or p.numel() == 0:
-                whole.append((group, p))
-            else:
-                by_comm.setdefault(id(rows.comm), (rows.comm, []))[1].append((group, p, rows))
-        buckets = []
-        for comm, members in by_comm.values():
-            bucket = MatrixBucket(comm, [rows.shape for _, _, rows in members],
-                                  [rows.row_splits for _, _, rows in members], local_piece(members[0][1]).device)
-            buckets.append((bucket, [(group, p) for group, p, _ in members]))
-        return whole, buckets
+        def meanwhile() -> None:          # while the rows travel: AdamW, the matrices' weight decay
+            self._adamw_step(others)
+            for group, p in matrices:
+                local_piece(p).mul_(1 - _scalar(group["lr"]) * group["weight_decay"])
+
+        results = transform_whole_matrices([p for _, p in matrices], updates,
+                                           lambda i, matrix: _orthogonalize(matrices[i][0], matrix), WIRE_DTYPE,
+                                           self._communicators, self._rows, meanwhile)
+        for (group, p), rows in zip(matrices, results):
+            local_piece(p).add_(rows, alpha=-adjusted_lr(_scalar(group["lr"]), group["adjust_lr_fn"], p.shape))
+        return loss
 
     def _momentum(self, group: dict, p: torch.Tensor) -> torch.Tensor:
         state = self.state[p]
@@ -157,14 +132,6 @@ class Muon(Optimizer):
             state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
         return momentum_update(local_piece(p.grad), local_piece(state["momentum_buffer"]), group["momentum"],
                                group["nesterov"])
-
-    def _whole_matrix_step(self, group: dict, p: torch.Tensor) -> None:
-        """torch.optim.Muon's step of one parameter every rank holds whole."""
-        update = _orthogonalize(group, self._momentum(group, p))
-        lr = _scalar(group["lr"])
-        local = local_piece(p)
-        local.mul_(1 - lr * group["weight_decay"])
-        local.add_(update, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], p.shape))
 
     def _adamw_step(self, members: list) -> None:
         """torch.optim.AdamW's step (its functional kernel, on each rank's pieces) per param group."""

@@ -15,6 +15,7 @@ from .plan.resolve import AutoStrategy
 from .plan import Plan, plan  # noqa: E402  (the function; the package stays importable as megatron_fsdp_v2.plan)
 from .offload import OffloadPolicy
 from .strategy import STRATEGIES, STRATEGY_NAMES, ShardingStrategy, get_strategy
+from . import optim  # noqa: E402  (megatron_fsdp_v2.optim.Muon)
 
 __all__ = [
     "AutoStrategy",
@@ -35,6 +36,7 @@ __all__ = [
     "get_strategy",
     "load_checkpoint",
     "load_optimizer_state_dict",
+    "optim",
     "optimizer_state_dict",
     "plan",
     "save_checkpoint",

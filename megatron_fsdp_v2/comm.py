@@ -55,7 +55,7 @@ def wait_pending(pending: Optional[PendingCollective]) -> None:
     pending.on_complete()
 
 
-COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "all_to_all")
 
 # torch 2.13 renamed the flat-tensor collectives (all_gather_into_tensor -> all_gather_single,
 # reduce_scatter_tensor -> reduce_scatter_single) and the old names print a FutureWarning at every
@@ -139,6 +139,22 @@ class Communicator:
         self.ledger.before("all_reduce", tensor, label, self.ledger_mode)
         self.stats.record("all_reduce", tensor)
         return dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
+
+    def all_to_all(self, output: torch.Tensor, send: torch.Tensor, output_splits: list, send_splits: list,
+                   covered_numel: int, async_op: bool = False, label: str = ""):
+        """Send ``send``'s consecutive pieces of ``send_splits`` elements to ranks 0, 1, ... and
+        receive every rank's piece for this rank into ``output`` (``output_splits``, in rank order).
+
+        Counted as ``covered_numel`` elements of ``send``'s dtype: what the exchange moves over all
+        ranks together, the same number on every rank (as an all-gather counts its whole output), which
+        the caller knows from a plan every rank shares (e.g. optim/matrix_owners.py's)."""
+        # every rank names the exchange's whole size (its own send differs between ranks)
+        self.ledger.before("all_to_all", torch.empty(covered_numel, dtype=send.dtype, device="meta"), label,
+                           self.ledger_mode)
+        self.stats.counts["all_to_all"] += 1
+        self.stats.nbytes["all_to_all"] += covered_numel * send.element_size()
+        return dist.all_to_all_single(output, send, list(output_splits), list(send_splits), group=self.group,
+                                      async_op=async_op)
 
     def all_gather_object(self, obj) -> list:
         """Every rank's picklable ``obj`` (error paths only: never on the training schedule)."""

@@ -48,6 +48,16 @@ from .strategy import ShardingStrategy
 from .unit_state import ForwardOrder, Unit  # noqa: F401  (Unit: also engine.Unit)
 
 
+class MainRows(NamedTuple):
+    """Where a main parameter's rows live (``Engine.main_rows``): what a matrix optimizer needs to
+    gather a parameter whole (optim/muon.py)."""
+
+    comm: object                      # the Communicator its group is sharded (or replicated) over
+    shape: torch.Size                 # the parameter's original shape
+    row_splits: Optional[tuple]       # rank r holds rows [splits[r], splits[r + 1]); None: every rank all
+    on_host: bool                     # an offloaded group's (offload.py): its main weights are host tensors
+
+
 class BackwardPass(NamedTuple):
     """One backward pass: does it reduce gradients (outside no_sync, or ZeRO-2/3 always)?"""
 
@@ -99,6 +109,17 @@ class Engine:
 
     def owns_any(self, param_ids: set) -> bool:
         return not self._main_param_ids.isdisjoint(param_ids)
+
+    def main_rows(self, main) -> Optional[MainRows]:
+        """Which rows of its parameter the main parameter ``main`` holds on each rank, over which
+        group (None: not one of this engine's main parameters)."""
+        for group in self.groups:
+            for index, candidate in enumerate(group.main_params):
+                if candidate is main:
+                    splits = group.layout.row_splits(index) if group.strategy.optim_sharded else None
+                    return MainRows(group.comm, torch.Size(group.shapes[index]), splits,
+                                    group.offloaded is not None)
+        return None
 
     # ------------------------------------------------------------------ hooks
     def _register_hooks(self) -> None:

@@ -75,6 +75,14 @@ def _after_optimizer_step(optimizer, args, kwargs) -> None:
         engine.after_optimizer_step()
 
 
+def engine_holding(param):
+    """The registered engine whose main parameters include ``param`` (None: no wrapped model's)."""
+    for engine in list(_ENGINES.values()):
+        if engine.owns_any({id(param)}):
+            return engine
+    return None
+
+
 def watch_optimizer_steps(engine) -> None:
     """Issue ``engine.refresh_weights()`` after every optimizer step touching its main weights."""
     global _HANDLE

@@ -15,6 +15,7 @@ _OPS = {
     "c10d._reduce_scatter_base_.default": ("reduce_scatter", 1, 2),  # (output, input, group, ...)
     "c10d.allreduce_.default": ("all_reduce", 0, 1),                 # ([tensors], group, ...)
     "c10d.broadcast_.default": ("broadcast", 0, 1),                  # ([tensors], group, root, ...)
+    "c10d.alltoall_base_.default": ("all_to_all", 1, 2),             # (output, input, group, ...): what this rank sends
 }
 
 

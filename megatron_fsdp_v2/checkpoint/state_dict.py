@@ -226,8 +226,12 @@ def _fresh_state(optimizer, hparams: dict, p) -> dict:
         if hparams.get("amsgrad"):
             state["max_exp_avg_sq"] = torch.zeros_like(p)
         return state
+    initial_state = getattr(optimizer, "initial_state", None)     # optimizers that say (optim/muon.py)
+    if callable(initial_state):
+        return initial_state(p)
     raise ValueError(f"optimizer_state_dict: {type(optimizer).__name__} has no state yet and its state layout is "
-                     f"unknown (known: Adam, AdamW, SGD); use load_checkpoint(), which reads it from the checkpoint.")
+                     f"unknown (known: Adam, AdamW, SGD, and optimizers with an initial_state(param) method); use "
+                     f"load_checkpoint(), which reads it from the checkpoint.")
 
 
 def _encode_hparam(value) -> Optional[torch.Tensor]:
@@ -274,7 +278,8 @@ def _state_keys_needed(optimizer, hparams: dict, p) -> Optional[set]:
     """The per-parameter state keys ``optimizer.step`` reads once a parameter has state (None:
     unknown). torch's Adam/AdamW raise ``KeyError: 'step'`` at their first step if a loaded state
     lacks one; SGD silently restarts momentum."""
-    if isinstance(optimizer, (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)):
+    if isinstance(optimizer, (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)) or \
+            callable(getattr(optimizer, "initial_state", None)):
         return set(_fresh_state(optimizer, hparams, p))
     live = optimizer.state.get(p)
     return set(live) if live else None

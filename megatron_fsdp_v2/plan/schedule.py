@@ -272,7 +272,10 @@ def step_comm(units: list, strategy: ShardingStrategy, micro_batches: int, shard
 
 # bytes that cross a rank's link per byte a collective covers, on a ring of n ranks
 _RING = {"all_gather": lambda n: (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
-         "all_reduce": lambda n: 2 * (n - 1) / n, "broadcast": lambda n: (n - 1) / n}
+         "all_reduce": lambda n: 2 * (n - 1) / n, "broadcast": lambda n: (n - 1) / n,
+         # an all-to-all covering B bytes over all ranks (optim/muon.py's exchanges): a rank sends
+         # its ~B/n, of which the (n - 1)/n not meant for itself leave it
+         "all_to_all": lambda n: (n - 1) / (n * n)}
 
 
 def ring_bytes(stats: dict, size: int) -> int:

@@ -150,7 +150,7 @@ def test_counted_bytes_match_comm_stats(layout, scheme):
         assert want["all_gather"]["count"] == 2 * K * len(units) * topo.outer
         assert want["reduce_scatter"]["count"] == K * len(units) * topo.outer
         assert {k: v["count"] for k, v in want[sim.ACROSS].items() if k != "total_bytes"} == {
-            "all_gather": len(units), "reduce_scatter": len(units), "all_reduce": 0, "broadcast": 0}
+            "all_gather": len(units), "reduce_scatter": len(units), "all_reduce": 0, "broadcast": 0, "all_to_all": 0}
         assert memory["compute_weights"] > 0 and memory["inner_grad_shard"] == 2 * memory["compute_weights"]
     else:
         assert memory["compute_weights"] == memory["inner_grad_shard"] == 0

@@ -65,7 +65,9 @@ def test_parameters_do_not_overlap_and_padding_is_bounded(shapes, dp, alignment)
     max_row = max(row_numel(s) for s in shapes)
     large = [row_numel(s) for s, n in zip(shapes, numels) if n > -(-sum(numels) // dp)]
     multiple = math.lcm(alignment, *large) if large else alignment
-    bound = (dp - 1) * max_row + dp * multiple + alignment * len(shapes) + dp
+    # + max_row: a one-row parameter pushed past the even split grows the shard by up to a row
+    # (hypothesis: [(3, 5), (1, 2, 5), (1, 3, 5), (8,)] at dp 2 pads 24 where the rest gives 23)
+    bound = dp * max_row + dp * multiple + alignment * len(shapes) + dp
     assert layout.padding_numel <= bound
 
 

@@ -311,7 +311,8 @@ class ShardedOptimizerCheckpoint:
             if metadata is not None:
                 metadata["distrib_optim_sharding_type"] = target
             return distopt_format.saving_dict(self, values, model_state_dict(self._fsdp_v2_model), target, to_sharded)
-        self._fsdp_v2_loading_template = values  # dist_checkpointing.load fills these in place: load_state_dict installs them
+        # dist_checkpointing.load fills these in place: load_state_dict installs them
+        self._fsdp_v2_loading_template = values
         source = self._source_format(metadata)
         if source is not None:      # Megatron DDP + DistributedOptimizer's own layout (distopt_format.py)
             return distopt_format.loading_requests(self, values, source, to_sharded)

@@ -205,7 +205,7 @@ def _reload(opts, saved: str, target: str) -> bool:
     model, config = _build_gpt(opts)
     wrapped = FullyShardedDataParallel(config, DistributedDataParallelConfig(data_parallel_sharding_strategy=target),
                                        model)
-    optimizer = get_optimizer(_optimizer_config(opts, target != "no_shard"), [wrapped])
+    optimizer = get_optimizer(_optimizer_config(opts, True), [wrapped])
     load_dist_checkpoint(os.path.join(opts.ckpt_root, saved), wrapped, optimizer)
     return wrapped.state_dict(), _adam_steps(optimizer)
 

@@ -46,18 +46,18 @@ Defaults: ``--tokenizer-type NullTokenizer`` (give ``--vocab-size``). The launch
 ``param.main_grad``, which our wrapper does not provide).
 
 Checkpoints: ``--save DIR --save-interval N`` / ``--load DIR`` with ``--ckpt-format torch_dist``
-(Megatron-LM's default) or ``fsdp_dtensor`` (Megatron-FSDP's; the other formats are rejected). Each rank writes only its shards
-(``megatron_fsdp_v2/megatron/dist_checkpoint.py``); a checkpoint loads at another data-parallel
-size and with another ``--data-parallel-sharding-strategy``, model and optimizer state included.
-``--save`` writes the optimizer in Megatron DDP + DistributedOptimizer's layout (``dp_reshardable``,
-or ``fully_reshardable`` with ``--dist-ckpt-optim-fully-reshardable``), so Megatron-LM with
+(Megatron-LM's default) or ``fsdp_dtensor`` (Megatron-FSDP's; the other formats are rejected). Each
+rank writes only its shards (``megatron_fsdp_v2/megatron/dist_checkpoint.py``); a checkpoint loads at
+another data-parallel size and with another ``--data-parallel-sharding-strategy``, model and
+optimizer state included. With ``torch_dist``, ``--save`` writes the optimizer in Megatron DDP +
+DistributedOptimizer's layout (``fully_reshardable``; ``dp_reshardable`` when Megatron-LM asks for it:
+``--use-distributed-optimizer`` without ``--dist-ckpt-optim-fully-reshardable``), so Megatron-LM with
 ``--use-distributed-optimizer`` resumes from it; ``--load`` of such a checkpoint written by
 Megatron-LM resumes with its optimizer state (``load_checkpoint`` is wrapped to read which layout the
-directory holds first: ``read_optimizer_layout``). Without ``--use-distributed-optimizer`` it writes ``fully_reshardable``, which Megatron DDP also
-loads. With ``--ckpt-format fsdp_dtensor``, ``--save`` writes Megatron-FSDP's layout
-(``save_megatron_fsdp_checkpoint``: dense GPT layers without ``--swiglu``, tensor- and pipeline-parallel
-size 1) and ``--load`` reads it; ``--auto-detect-ckpt-format`` reads either format
-(``checkpoint_format_to_load``; ``load_megatron_fsdp_checkpoint``).
+directory holds first: ``read_optimizer_layout``). With ``fsdp_dtensor``, ``--save`` writes
+Megatron-FSDP's layout (``save_megatron_fsdp_checkpoint``: dense GPT layers without ``--swiglu``,
+tensor- and pipeline-parallel size 1) and ``--load`` reads it; ``--auto-detect-ckpt-format`` reads
+either format (``checkpoint_format_to_load``; ``load_megatron_fsdp_checkpoint``).
 docs/checkpointing.md has the recipes, both directions.
 """
 

@@ -53,6 +53,7 @@ __all__ = [
     "reference_worker",
     "state_dicts_equal",
     "constant_param_scheduler",
+    "writing_our_earlier_optimizer_layout",
 ]
 
 
@@ -482,3 +483,34 @@ def wrap_through_the_launcher(world: int, flags: list, parallel_state_kwargs: Ca
                                                           disable_bucketing_per_chunk=[False])
     assert type(chunk) is FullyShardedDataParallel, type(chunk)
     return args, chunk
+
+
+@contextlib.contextmanager
+def writing_our_earlier_optimizer_layout(optimizer, format_version: int = 2):
+    """Within it, ``optimizer``'s leaves (``get_optimizer``'s) save in our own optimizer layout, as
+    ``save_dist_checkpoint`` did by default before ``fully_reshardable`` (format 2: state under
+    Megatron's stacked keys; format 1: under parameter names, before pipeline parallelism). The
+    writer is the reading side's own template (``ShardedOptimizerCheckpoint._our_layout``), which
+    the library keeps for loading such checkpoints; its content metadata marks the format."""
+    import types
+
+    from megatron_fsdp_v2.checkpoint.state_dict import optimizer_state_dict
+    from megatron_fsdp_v2.megatron.dist_checkpoint import FORMAT_KEY, FORMAT_VERSION
+
+    leaves = list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+
+    def earlier(self, model_sharded_state_dict=None, is_loading=False, sharding_type=None, metadata=None, **unused):
+        if metadata is not None:
+            metadata.pop("distrib_optim_sharding_type", None)
+            metadata[FORMAT_KEY] = FORMAT_VERSION
+        return self._our_layout(optimizer_state_dict(self._fsdp_v2_model, self.optimizer))
+
+    for leaf in leaves:
+        leaf._fsdp_v2_format = format_version
+        leaf.sharded_state_dict = types.MethodType(earlier, leaf)
+    try:
+        yield
+    finally:
+        for leaf in leaves:
+            del leaf.sharded_state_dict
+            leaf.__dict__.pop("_fsdp_v2_format", None)

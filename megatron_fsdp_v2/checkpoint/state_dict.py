@@ -29,7 +29,8 @@ from .dcp_format import FlatRangeShard
 from ..row_sharded import RowShardedTensor, local_piece
 
 
-__all__ = ["load_model_state_dict", "load_optimizer_state_dict", "model_state_dict", "optimizer_state_dict"]
+__all__ = ["load_model_state_dict", "load_optimizer_state_dict", "model_state_dict", "optimizer_param_names",
+           "optimizer_state_dict"]
 
 # ---------------------------------------------------------------- shards <-> state-dict values
 def _sharded_module(model) -> nn.Module:
@@ -303,6 +304,11 @@ def _optimizer_mismatch(what: str, saved_class: str, optimizer, missing: list, t
                       f"{type(optimizer).__name__}: missing keys {_show(missing, total)} (the optimizer class and "
                       f"hyperparameters such as momentum or amsgrad decide which state keys exist); build the "
                       f"optimizer the checkpoint was saved with, or load the model only (optimizer=None).")
+
+
+def optimizer_param_names(model, optimizer) -> list:
+    """The names (as ``optimizer_state_dict`` keys them) of the parameters ``optimizer`` steps, in its order."""
+    return [name for _, _, name, *_ in _optimizer_params(model, _torch_optimizer(optimizer))]
 
 
 def optimizer_state_dict(model, optimizer) -> "OrderedDict[str, torch.Tensor]":

@@ -41,12 +41,16 @@ Megatron's ``_extra_state`` objects are passed through and tied aliases it leave
 global shapes: Megatron DDP checkpoints load into every strategy and ours into Megatron DDP
 (model state; the weights are saved in main precision). Since the keys and shapes do not depend on
 the layout, checkpoints reshard across data-parallel, tensor- and pipeline-parallel sizes and
-strategies. Optimizer state (format 2) lives under ``optimizer.state.<Megatron key>.<key>`` at the
-parameter's stacked-layer offset and tensor-parallel slice, so it is global across pipeline stages
-too; format 1 (before pipeline parallelism) used ``optimizer.state.<param name>.<key>`` and still
-loads (``read_optimizer_layout``). ``dist_checkpointing.load`` returns the
-same structure with tensors in place of ShardedTensors; ``from_loaded`` turns a box dict back into
-this rank's ``FlatRangeShard`` and the core's loaders copy it into place.
+strategies. Optimizer state is written in Megatron DDP + DistributedOptimizer's layouts
+(distopt_format.py): ``fully_reshardable`` unless Megatron-LM's ``save_checkpoint`` asks for
+``dp_reshardable``, so Megatron's own ``load_checkpoint`` reads every checkpoint written here. Our
+own optimizer layout, which ``save_dist_checkpoint`` wrote by default before, is read and no longer
+written: format 2 under ``optimizer.state.<Megatron key>.<key>`` at the parameter's stacked-layer
+offset and tensor-parallel slice, format 1 (before pipeline parallelism) under
+``optimizer.state.<param name>.<key>`` (``read_optimizer_layout`` tells them apart).
+``dist_checkpointing.load`` returns the same structure with tensors in place of ShardedTensors;
+``from_loaded`` turns a box dict back into this rank's ``FlatRangeShard`` and the core's loaders copy
+it into place.
 """
 
 from __future__ import annotations
@@ -295,19 +299,30 @@ class ShardedOptimizerCheckpoint:
 
     def sharded_state_dict(self, model_sharded_state_dict=None, is_loading: bool = False, sharding_type=None,
                            metadata=None, **unused):
-        """``{FORMAT_KEY: 1, "state": {...}, "param_groups": {...}[, "grad_scaler": ...]}``; per-parameter
-        state under ``optimizer.state.<param name>.<key>`` (see the module note). With no state yet
-        (before the first step, or ``is_loading``), the state torch.optim would create is used."""
+        """Saving: Megatron DDP + DistributedOptimizer's layout (distopt_format.py), the type
+        ``metadata["distrib_optim_sharding_type"]`` asks for, ``fully_reshardable`` when it asks for
+        none (recorded there: Megatron-LM saves ``metadata`` as the checkpoint's content metadata).
+        Loading: the requests for the layout the checkpoint holds, Megatron's or our own of
+        earlier versions (``_our_layout``). With no state yet (before the first step, or
+        ``is_loading``), the state torch.optim would create is used."""
         values = optimizer_state_dict(self._fsdp_v2_model, self.optimizer)
-        if is_loading:      # dist_checkpointing.load fills these tensors in place: load_state_dict installs them
-            self._fsdp_v2_loading_template = values
-        source = self._source_format(metadata) if is_loading else self._target_format(metadata)
-        if source is not None and is_loading:    # Megatron DDP + DistributedOptimizer's own layout (distopt_format.py)
+        if not is_loading:
+            target = self._target_format(metadata)
+            if metadata is not None:
+                metadata["distrib_optim_sharding_type"] = target
+            return distopt_format.saving_dict(self, values, model_state_dict(self._fsdp_v2_model), target, to_sharded)
+        # dist_checkpointing.load fills these in place: load_state_dict installs them
+        self._fsdp_v2_loading_template = values
+        source = self._source_format(metadata)
+        if source is not None:      # Megatron DDP + DistributedOptimizer's own layout (distopt_format.py)
             return distopt_format.loading_requests(self, values, source, to_sharded)
-        if source is not None:
-            return distopt_format.saving_dict(self, values, model_state_dict(self._fsdp_v2_model), source, to_sharded)
-        if metadata is not None:    # Megatron-LM saves it as the checkpoint's content metadata
-            metadata[FORMAT_KEY] = FORMAT_VERSION
+        return self._our_layout(values)
+
+    def _our_layout(self, values) -> dict:
+        """``{FORMAT_KEY: 2, "state": {...}, "param_groups": {...}[, "grad_scaler": ...]}`` at our own
+        optimizer layout (state under ``optimizer.state.<Megatron key>.<key>``; format 1: under
+        parameter names; see the module note): what ``save_dist_checkpoint`` wrote by default before
+        ``fully_reshardable`` took its place, read here, no longer written."""
         state = _drop_empty({k: to_sharded(f"optimizer.{k}", v, self._replica_rank(k), self._state_placement(k, v),
                                            self._fsdp_v2_tp_rank, self._fsdp_v2_shard_replica)
                              for k, v in values.items() if k.startswith("state.")})
@@ -332,13 +347,20 @@ class ShardedOptimizerCheckpoint:
         return kind if kind in distopt_format.MEGATRON_TYPES or kind == distopt_format.DP_ZERO else None
 
     @staticmethod
-    def _target_format(metadata) -> Optional[str]:
-        """The layout to write: Megatron's when ``metadata["distrib_optim_sharding_type"]`` asks for
-        one of its distributed-optimizer types (Megatron-LM's ``save_checkpoint`` always does:
-        ``dp_reshardable``, or ``fully_reshardable`` with --dist-ckpt-optim-fully-reshardable), so
-        Megatron DDP loads it back; ours otherwise (``save_dist_checkpoint`` by default)."""
+    def _target_format(metadata) -> str:
+        """The layout to write: the distributed-optimizer type ``metadata["distrib_optim_sharding_type"]``
+        asks for (Megatron-LM's ``save_checkpoint`` with ``--use-distributed-optimizer``:
+        ``dp_reshardable``, or ``fully_reshardable`` with --dist-ckpt-optim-fully-reshardable), else
+        ``fully_reshardable``: Megatron DDP + DistributedOptimizer loads either with no extra flag,
+        and ``fully_reshardable`` reshards at every dp, tp and pp size."""
         kind = (metadata or {}).get("distrib_optim_sharding_type")
-        return kind if kind in distopt_format.MEGATRON_TYPES else None
+        if kind is None:
+            return distopt_format.FULLY_RESHARDABLE
+        if kind not in distopt_format.MEGATRON_TYPES:
+            raise ValueError(f"optimizer.sharded_state_dict: sharding type {kind!r} is not written here; "
+                             f"pick one of {list(distopt_format.MEGATRON_TYPES)} (Megatron DDP + DistributedOptimizer's "
+                             f"layouts), or --ckpt-format fsdp_dtensor through examples/pretrain_gpt.py.")
+        return kind
 
     def _replica_rank(self, key: str) -> int:
         """The data-parallel element of a replicated value's replica id: the expert-data-parallel
@@ -376,6 +398,9 @@ class ShardedOptimizerCheckpoint:
             templates.pop(CLASS_KEY, None)
             values = distopt_format.values_from_loaded(self, state_dict, templates)
             load_optimizer_state_dict(self._fsdp_v2_model, self.optimizer, OrderedDict(values))
+            distopt_format.restore_hyperparameters(self.optimizer, state_dict["optimizer"]["param_groups"])
+            if getattr(self, "grad_scaler", None) is not None and isinstance(state_dict.get("grad_scaler"), dict):
+                self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
             return
         if not isinstance(state_dict, dict) or state_dict.get(FORMAT_KEY) not in (1, FORMAT_VERSION):
             got = state_dict.get(FORMAT_KEY) if isinstance(state_dict, dict) else type(state_dict).__name__
@@ -444,31 +469,37 @@ def install_optimizer_checkpointing(optimizer, chunks) -> None:
         leaf._fsdp_v2_expert_names, leaf._fsdp_v2_expert_dp_rank = chunk.expert_checkpoint_replicas()
         leaf._fsdp_v2_tp_rank = chunk.tensor_parallel_rank()
         leaf._fsdp_v2_slices = chunk.tensor_parallel_slices()
+        leaf._fsdp_v2_shapes = {e.name: tuple(e.shape) for e in chunk.module.sharded_parameters()}
         leaf._fsdp_v2_mp_rank, leaf._fsdp_v2_buckets, leaf._fsdp_v2_bucket_dtype = chunk.megatron_buffer_layout()
         leaf._fsdp_v2_dp_size = torch.distributed.get_world_size(chunk.dp_cp_group)
 
 
 # ---------------------------------------------------------------- one call each
-def save_dist_checkpoint(path: "str | os.PathLike", model, optimizer=None, sharding_type: Optional[str] = None) -> None:
+def save_dist_checkpoint(path: "str | os.PathLike", model, optimizer=None,
+                         sharding_type: str = distopt_format.FULLY_RESHARDABLE) -> None:
     """Write ``{"model": model.sharded_state_dict(), "optimizer": optimizer.sharded_state_dict(...)}``
     with ``dist_checkpointing.save`` into directory ``path`` (created; must be empty), the layout of
     Megatron-LM's ``--ckpt-format torch_dist``, plus the sha256 manifest of its files
     (``.checksums.json``, checked by ``load_dist_checkpoint``). For loops other than Megatron-LM's.
-    ``sharding_type``: ``None`` writes our optimizer layout (reshards across every parallel size);
-    ``"dp_reshardable"`` / ``"fully_reshardable"`` Megatron DDP + DistributedOptimizer's
-    (distopt_format.py), which Megatron's own ``load_checkpoint`` reads: the way back."""
+    The optimizer goes in Megatron DDP + DistributedOptimizer's layout ``sharding_type``
+    (distopt_format.py), which Megatron's own ``load_checkpoint`` reads with no extra flag:
+    ``"fully_reshardable"`` (the default) loads at every dp, tp and pp size, into Megatron's DDP and
+    ours; ``"dp_reshardable"`` only at the tensor/pipeline layout it was saved with."""
     from megatron.core import dist_checkpointing
 
+    if sharding_type not in distopt_format.MEGATRON_TYPES:
+        raise ValueError(f"save_dist_checkpoint: sharding_type must be one of {list(distopt_format.MEGATRON_TYPES)}, "
+                         f"got {sharding_type!r}.")
     path = os.fspath(path)
     model_sd = model.sharded_state_dict()
     state = {"model": model_sd}
-    metadata = {"distrib_optim_sharding_type": sharding_type} if sharding_type else {}
+    metadata = {"distrib_optim_sharding_type": sharding_type}
     if optimizer is not None:
         state["optimizer"] = optimizer.sharded_state_dict(model_sd, metadata=metadata)
     if torch.distributed.get_rank() == 0:
         os.makedirs(path, exist_ok=True)
     torch.distributed.barrier()
-    dist_checkpointing.save(state, path, content_metadata=metadata or None)
+    dist_checkpointing.save(state, path, content_metadata=metadata)
     write_directory_manifest(path)         # checksums of every shard file and .metadata
 
 
@@ -559,7 +590,9 @@ def load_dist_checkpoint(path: "str | os.PathLike", model, optimizer=None) -> No
     verify_directory(path)                 # before Megatron reads: a mismatch raises on every rank
     if optimizer is not None:
         read_optimizer_layout(optimizer, os.fspath(path))
-        state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=True)
+        with safe_dcp_reading():           # as Megatron-LM's load_checkpoint: the saving run's metadata
+            metadata = dist_checkpointing.load_content_metadata(os.fspath(path)) or {}
+        state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=dict(metadata))
     with safe_dcp_reading():
         loaded = dist_checkpointing.load(state, os.fspath(path))
     model.load_state_dict(loaded["model"])

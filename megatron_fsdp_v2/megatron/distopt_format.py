@@ -26,9 +26,14 @@ sharding type in ``metadata["distrib_optim_sharding_type"]`` (megatron/training/
 
 Megatron's deprecated ``dp_zero_gather_scatter`` (one pickled object per model-parallel group) is
 refused the same way. The reverse direction (``saving_dict``) writes either layout from our state,
-so Megatron's own ``load_checkpoint`` reads it: the fp32 main weights as ``param``, and for
-``dp_reshardable`` zeros in the alignment gaps (Megatron's load reads whole buckets) and the
-bucket sizes it checks.
+so Megatron's own ``load_checkpoint`` reads it: the fp32 main weights as ``param`` (each leaf
+optimizer those of the parameters it steps), and for ``dp_reshardable`` zeros in the alignment
+gaps (Megatron's load reads whole buckets) and the bucket sizes it checks. It is the only layout
+our optimizers write (``fully_reshardable`` by default). A replicated value is written by data-
+parallel rank 0, by expert-data-parallel rank 0 for an expert's; a parameter Megatron's layout
+does not place (a module without its ``sharded_state_dict``) keeps its name as the key
+(``placed``). Loading restores the numeric hyperparameters of the saved param groups where they
+are this optimizer's one for one (``restore_hyperparameters``).
 """
 
 from __future__ import annotations
@@ -179,6 +184,22 @@ def _split(key: str) -> tuple:
     return name, sub
 
 
+def placed(leaf, name: str) -> Optional[tuple]:
+    """``(Placement, this rank's shape)`` of parameter ``name`` in model space: Megatron's (its key,
+    stacked-layer offset, tensor-parallel slice), or for a parameter Megatron's layout does not
+    place (a module without Megatron's ``sharded_state_dict``) its name, the whole tensor;
+    ``None`` for a name the model lacks."""
+    found = leaf._fsdp_v2_slices.get(name)
+    if found is not None:
+        return found
+    shape = getattr(leaf, "_fsdp_v2_shapes", {}).get(name)
+    if shape is None:
+        return None
+    from .dist_checkpoint import Placement
+
+    return Placement(name, replica_id=(0, leaf._fsdp_v2_tp_rank, 0)), shape
+
+
 def _per_element(value, local_shape) -> bool:
     return isinstance(value, FlatRangeShard) or (isinstance(value, torch.Tensor) and tuple(value.shape) == local_shape)
 
@@ -195,7 +216,7 @@ def loading_requests(leaf, values: dict, sharding_type: str, to_sharded) -> dict
         if not key.startswith("state."):
             continue
         name, sub = _split(key)
-        found = leaf._fsdp_v2_slices.get(name)
+        found = placed(leaf, name) if sharding_type == FULLY_RESHARDABLE else leaf._fsdp_v2_slices.get(name)
         if sub == "step":
             continue                    # in the saved param_groups (common state / ShardedObject)
         if found is None or (sharding_type == DP_RESHARDABLE and name not in slots):
@@ -216,7 +237,8 @@ def loading_requests(leaf, values: dict, sharding_type: str, to_sharded) -> dict
                                           flat, slot, numel)
     out = {"param_state_sharding_type": sharding_type, REQUESTS: requests}
     if sharding_type == DP_RESHARDABLE:
-        for name in ("optimizer", "per_bucket_numel_unpadded"):
+        scaler = ("grad_scaler",) if getattr(leaf, "grad_scaler", None) is not None else ()
+        for name in ("optimizer", "per_bucket_numel_unpadded") + scaler:
             out[name] = bucket_object(leaf._fsdp_v2_mp_rank, name, dp_rank=leaf._fsdp_v2_dp_rank)
     return out
 
@@ -264,6 +286,39 @@ def values_from_loaded(leaf, state_dict: dict, templates: dict) -> dict:
         else:
             out[key] = _as_template(key, template, loaded[key], leaf)
     return out
+
+
+#: What tells Megatron's param groups apart (optimizer/__init__.py ``_get_param_groups``).
+_GROUP_IDENTITY = ("is_expert_parallel", "wd_mult", "lr_mult", "is_decoupled_lr")
+
+
+def restore_hyperparameters(optimizer, saved_groups) -> bool:
+    """The numeric hyperparameters of the saved ``param_groups`` (lr, weight decay, betas, eps,
+    Megatron's multipliers, ...) into ``optimizer``'s groups, as Megatron's DistributedOptimizer
+    restores its own; structural flags (amsgrad, fused, ...) stay as the optimizer was built. Only
+    where the saved groups are this optimizer's, one for one (same count, same expert / multiplier
+    keys in order); elsewhere (another expert-parallel layout groups them differently) this run's
+    stay. Megatron-LM's scheduler sets lr and weight decay again every step. Returns whether it did."""
+    groups = optimizer.param_groups
+    if not isinstance(saved_groups, (list, tuple)) or len(saved_groups) != len(groups) or not all(
+            isinstance(saved, dict) and all(saved.get(k) == group.get(k) for k in _GROUP_IDENTITY)
+            for saved, group in zip(saved_groups, groups)):
+        return False
+
+    def numeric(value) -> bool:
+        if isinstance(value, tuple):
+            return all(numeric(v) for v in value)
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+    for group, saved in zip(groups, saved_groups):
+        for key, value in saved.items():
+            current = group.get(key)
+            if key in ("params", "step") or not numeric(value) or not numeric(current):
+                continue
+            if isinstance(value, tuple) and len(value) != len(current):
+                continue
+            group[key] = value
+    return True
 
 
 def _as_template(key: str, template, loaded, leaf):
@@ -318,22 +373,28 @@ def saving_dict(leaf, values: dict, main_weights: dict, sharding_type: str, to_s
     (``main_weights``: {parameter name: the core's value}) as ``param``."""
     if sharding_type not in MEGATRON_TYPES:
         raise ValueError(f"sharding_type must be one of {list(MEGATRON_TYPES)}, got {sharding_type!r}.")
+    from ..checkpoint.state_dict import optimizer_param_names
+
+    where = placed if sharding_type == FULLY_RESHARDABLE else (lambda leaf, name: leaf._fsdp_v2_slices.get(name))
+    stepped = [n for n in optimizer_param_names(leaf._fsdp_v2_model, leaf.optimizer) if where(leaf, n) is not None]
     per_element = {}
     for key, value in values.items():
         if key.startswith("state."):
             name, sub = _split(key)
-            found = leaf._fsdp_v2_slices.get(name)
+            found = where(leaf, name)
             if sub != "step" and found is not None and _per_element(value, found[1]):
                 per_element[(name, sub)] = value
-    per_element.update(((name, "param"), main_weights[name]) for name in leaf._fsdp_v2_slices)
+    # the fp32 main weights of the parameters this leaf steps (another leaf writes the others')
+    per_element.update(((name, "param"), main_weights[name]) for name in stepped)
     inner = inner_state(leaf.optimizer)
     if sharding_type == FULLY_RESHARDABLE:
         tensors = {}
         for i, ((name, sub), value) in enumerate(sorted(per_element.items())):
-            placement = leaf._fsdp_v2_slices[name][0]
+            placement = placed(leaf, name)[0]
             target = placement._replace(key=f"optimizer.state.{sub}.{placement.key}")
-            tensors[i] = to_sharded(target.key, value, leaf._fsdp_v2_dp_rank, target, leaf._fsdp_v2_tp_rank,
-                                    leaf._fsdp_v2_shard_replica)
+            # replicated values: written by data-parallel rank 0, expert-data-parallel rank 0 for experts
+            tensors[i] = to_sharded(target.key, value, leaf._replica_rank(f"state.{name}.{sub}"), target,
+                                    leaf._fsdp_v2_tp_rank, leaf._fsdp_v2_shard_replica)
         out = {"optimizer": inner, "param_state": {k: v for k, v in tensors.items() if not (isinstance(v, dict) and not v)}}
     else:
         out = {"param_state": _bucket_pieces(leaf, per_element)}

@@ -36,7 +36,8 @@ _NOT_CORE = {"_replace", "_asdict", "_fields", "_fsdp_v2_model", "_fsdp_v2_dp_ra
              "_fsdp_v2_slices", "_fsdp_v2_format", "_fsdp_v2_chunk_count", "_fsdp_v2_shard_replica",
              "_fsdp_v2_expert_names", "_fsdp_v2_expert_dp_rank", "_get_filesystem_reader", "_local_tensor",
              "_filter_grads_for_norm", "_fsdp_v2_dp_size", "_fsdp_v2_mp_rank", "_fsdp_v2_buckets",
-             "_fsdp_v2_bucket_dtype", "_fsdp_v2_source",
+             "_fsdp_v2_bucket_dtype", "_fsdp_v2_source", "_fsdp_v2_shapes",
+             "_replica_rank",                       # ShardedOptimizerCheckpoint's own method (dist_checkpoint.py)
              "_compute_per_buffer_param_layout"}   # Megatron's own bucket layout (distopt_format.py)
 
 

@@ -33,6 +33,9 @@ from tests.megatron_cpu import run_distributed  # noqa: E402
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 SAVED_ITERS, MORE_ITERS, NMB, MBS, SEQ, VOCAB = 2, 2, 2, 2, 16, 64
 DATA_SEED = 300
+#: ``optim``'s checkpoint in our own optimizer layout, which save_dist_checkpoint wrote by default
+#: before fully_reshardable: read, no longer written
+EARLIER = "optim_in_our_earlier_layout"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -160,10 +163,14 @@ def _loads_in_place(base):
     loaded into): equal when the load installs them without a copy."""
     from megatron.core import dist_checkpointing
 
+    from megatron_fsdp_v2.megatron import read_optimizer_layout
+    from megatron_fsdp_v2.megatron.distopt_format import REQUESTS
+
     wrapper, _, optimizer = _model_and_optimizer("optim")
     model_sd = wrapper.sharded_state_dict()
+    read_optimizer_layout(optimizer, os.path.join(base, "optim"))
     template = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=True)}
-    targets = {box.data.data_ptr() for entry in template["optimizer"]["state"].values() if isinstance(entry, dict)
+    targets = {box.data.data_ptr() for entry in template["optimizer"][REQUESTS].values() if isinstance(entry, dict)
                for box in entry.values()}
     loaded = dist_checkpointing.load(template, os.path.join(base, "optim"))
     optimizer.load_state_dict(loaded["optimizer"])
@@ -175,6 +182,7 @@ def _loads_in_place(base):
 def save_worker(rank, world_size, base):
     import megatron_fsdp_v2
     import megatron_fsdp_v2.megatron
+    from tests.megatron_cpu import writing_our_earlier_optimizer_layout
 
     out = {}
     with _megatron_on_cpu(world_size, rank, SAVED_ITERS + MORE_ITERS) as batches:
@@ -182,6 +190,9 @@ def save_worker(rank, world_size, base):
             wrapper, config, optimizer = _model_and_optimizer(strategy)
             _train(wrapper, config, optimizer, batches, SAVED_ITERS)
             _save(wrapper, optimizer, os.path.join(base, strategy))
+            if strategy == "optim":         # as save_dist_checkpoint wrote it before fully_reshardable
+                with writing_our_earlier_optimizer_layout(optimizer):
+                    _save(wrapper, optimizer, os.path.join(base, EARLIER))
             if strategy == "optim_grads":   # the core's DCP format through the adapter's unwrapping helpers
                 with pytest.raises(TypeError, match="megatron_fsdp_v2.megatron.save_checkpoint"):
                     megatron_fsdp_v2.save_checkpoint(os.path.join(base, "refused"), wrapper, optimizer)
@@ -191,6 +202,7 @@ def save_worker(rank, world_size, base):
             saved = _full_state(wrapper, optimizer)
             _train(wrapper, config, optimizer, batches[SAVED_ITERS * NMB:], MORE_ITERS)
             out[strategy] = {"saved": saved, "continuous": _full_state(wrapper, optimizer)}
+    out[EARLIER] = out["optim"]
     return out
 
 
@@ -300,6 +312,23 @@ def interop_worker(rank, world_size, base, bf16):
     return out
 
 
+def hyperparameters_worker(rank, world_size, base):
+    """Hyperparameters a loop of one's own changed (no Megatron scheduler) before the default save:
+    what a fresh optimizer holds after the load, per param group."""
+    from megatron_fsdp_v2.megatron import load_dist_checkpoint, save_dist_checkpoint
+
+    with _megatron_on_cpu(world_size, rank, 0):
+        wrapper, _, optimizer = _model_and_optimizer("optim_grads")
+        for i, group in enumerate(optimizer.optimizer.param_groups):
+            group.update(lr=0.0123 * (i + 1), weight_decay=0.5 + i, betas=(0.8, 0.95 - 0.01 * i), eps=1e-6)
+        want = [dict(g) for g in optimizer.optimizer.param_groups]
+        save_dist_checkpoint(os.path.join(base, "hyperparameters"), wrapper, optimizer)
+        wrapper, _, optimizer = _model_and_optimizer("no_shard")
+        load_dist_checkpoint(os.path.join(base, "hyperparameters"), wrapper, optimizer)
+        keys = ("lr", "weight_decay", "betas", "eps")
+        return [{k: g[k] for k in keys} for g in want], [{k: g[k] for k in keys} for g in optimizer.optimizer.param_groups]
+
+
 # ---------------------------------------------------------------------------------------------
 # Parent side
 # ---------------------------------------------------------------------------------------------
@@ -335,7 +364,7 @@ def test_saved_state_is_complete(checkpoints):
 
 def test_every_strategy_pair_at_dp2_and_resume_is_bitwise(checkpoints):
     base, saved = checkpoints
-    pairs = [(s, t) for s in STRATEGIES for t in STRATEGIES]
+    pairs = [(s, t) for s in STRATEGIES + (EARLIER,) for t in STRATEGIES]
     # new processes (not the pool that ran save_worker): everything must come from the checkpoint
     results = run_distributed(load_worker, 2, base, pairs, True, True, timeout=300, fresh=True)
     for rank, out in enumerate(results):
@@ -386,7 +415,7 @@ def test_megatron_lm_save_and_load_checkpoint(tmp_path, saved, loaded, bf16):
         _assert_equal_states(out["loaded"], out["saved"], "Megatron-LM save_checkpoint -> load_checkpoint")
 
 
-@pytest.mark.parametrize("ckpt_format", ["torch", "torch_dcp", "fsdp_dtensor"])
+@pytest.mark.parametrize("ckpt_format", ["torch", "torch_dcp"])
 def test_launcher_rejects_other_checkpoint_formats(ckpt_format):
     import argparse
 
@@ -394,7 +423,8 @@ def test_launcher_rejects_other_checkpoint_formats(ckpt_format):
 
     args = argparse.Namespace(data_parallel_sharding_strategy="optim_grads", save="/tmp/ckpt", load=None,
                               ckpt_format=ckpt_format)
-    with pytest.raises(ValueError, match=f"--ckpt-format must be torch_dist with --save / --load.*got '{ckpt_format}'"):
+    with pytest.raises(ValueError, match=f"--ckpt-format must be torch_dist or fsdp_dtensor with --save / --load.*"
+                                         f"got '{ckpt_format}'"):
         check_launcher_args(args)
     args.ckpt_format = "torch_dist"
     check_launcher_args(args)
@@ -466,3 +496,10 @@ def test_layout_falls_back_to_parameter_names(caplog):
     assert "Broken.sharded_state_dict() failed (RuntimeError: no parallel state)" in caplog.text
     sharded = model_sharded_state_dict({"weight": torch.ones(2, 2)}, dp_rank=0)
     assert sharded["weight"].key == "weight" and sharded["weight"].global_shape == (2, 2)
+
+
+def test_default_save_restores_the_hyperparameters(tmp_path):
+    """save_dist_checkpoint's default layout (fully_reshardable) keeps each param group's
+    hyperparameters, as our earlier layout did and Megatron's DistributedOptimizer does."""
+    for want, got in run_distributed(hyperparameters_worker, 2, str(tmp_path), timeout=300):
+        assert len(want) == 2 and got == want

@@ -19,6 +19,7 @@ norms and every weight of this rank's tensor-parallel slice within rtol/atol 1e-
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 
 import pytest
@@ -290,7 +291,8 @@ def checkpoint_worker(rank, world, root, tp, pp, strategy, save, written_format=
 
     from megatron_fsdp_v2.megatron import (FullyShardedDataParallel, get_optimizer, load_dist_checkpoint,
                                            save_dist_checkpoint)
-    from tests.megatron_cpu import constant_param_scheduler, init_megatron_parallel_state, patch_megatron_for_cpu
+    from tests.megatron_cpu import (constant_param_scheduler, init_megatron_parallel_state, patch_megatron_for_cpu,
+                                    writing_our_earlier_optimizer_layout)
     from tests.state_gather import full_optimizer_state
 
     with patch_megatron_for_cpu("megatron.core.tensor_parallel.mappings", "megatron.core.tensor_parallel.layers",
@@ -306,11 +308,10 @@ def checkpoint_worker(rank, world, root, tp, pp, strategy, save, written_format=
         optimizer = get_optimizer(_optimizer_config(), [wrapped])
         constant_param_scheduler(optimizer, LR, WD)
         if save:
-            if written_format is not None:     # as an earlier version wrote it
-                for leaf in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
-                    leaf._fsdp_v2_format = written_format
             _pipeline_train([wrapped], config, optimizer, _layout_batches(1)[0], iters=2)
-            save_dist_checkpoint(f"{root}/saved", wrapped, optimizer)
+            with (writing_our_earlier_optimizer_layout(optimizer, written_format) if written_format is not None
+                  else contextlib.nullcontext()):      # as an earlier version wrote it
+                save_dist_checkpoint(f"{root}/saved", wrapped, optimizer)
         else:
             load_dist_checkpoint(f"{root}/saved", wrapped, optimizer)
         first_layer = ps.get_pipeline_model_parallel_rank() * (PIPELINE_LAYERS // pp)

@@ -204,9 +204,11 @@ def _global_expert_name(name: str, ep_rank: int, local_count: int) -> str:
     return f"{head}{marker}{ep_rank * local_count + int(index)}.{rest}"
 
 
-def test_checkpoint_saved_at_ep2_dp2_loads_at_ep1_dp4(tmp_path, save_strategy="optim_grads_params",
-                                                     load_strategy="optim"):
-    """ZeRO-3 at EP2 x DP2 into ZeRO-1 at EP1 x DP4 (other strategy pairs: test_megatron_checkpoint.py)."""
+@pytest.mark.parametrize("save_strategy,load_strategy", [("optim_grads_params", "optim"), ("no_shard", "optim_grads")])
+def test_checkpoint_saved_at_ep2_dp2_loads_at_ep1_dp4(tmp_path, save_strategy, load_strategy):
+    """ZeRO-3 at EP2 x DP2 into ZeRO-1 at EP1 x DP4, and no_shard (replicated experts: written by
+    expert-data-parallel rank 0 of each expert) into ZeRO-2 (other strategy pairs:
+    test_megatron_checkpoint.py)."""
     saved = run_distributed(checkpoint_worker, 4, str(tmp_path), 2, save_strategy, True, timeout=900)
     loaded = run_distributed(checkpoint_worker, 4, str(tmp_path), 1, load_strategy, False, timeout=900)
     want_weights, want_state = {}, {}

@@ -153,8 +153,9 @@ def _run(opts, batches, strategy: str, rank: int) -> dict:
     else:
         ddp_config = DistributedDataParallelConfig(data_parallel_sharding_strategy=strategy, overlap_grad_reduce=True)
         wrapped = FullyShardedDataParallel(config, ddp_config, model)
-        # Megatron DDP + distributed optimizer is our optim; no_shard keeps the whole optimizer state
-        optimizer = get_optimizer(_optimizer_config(opts, strategy != "no_shard"), [wrapped])
+        # the distributed optimizer as Megatron-FSDP means it: the strategy decides what is sharded
+        # (no_shard keeps the whole optimizer state on every rank)
+        optimizer = get_optimizer(_optimizer_config(opts, True), [wrapped])
         wrapped.reset_comm_stats()
     OptimizerParamScheduler(optimizer, init_lr=opts.lr, max_lr=opts.lr, min_lr=opts.lr, lr_warmup_steps=0,
                             lr_decay_steps=1 << 30, lr_decay_style="constant", start_wd=opts.weight_decay,

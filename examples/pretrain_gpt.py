@@ -13,9 +13,15 @@ Usage (GPUs, torchrun; mock data, ``NullTokenizer``), from the repository root w
 Every argument is Megatron-LM's (``megatron.training.arguments``), parsed and validated by
 Megatron. ``--data-parallel-sharding-strategy {no_shard,optim,optim_grads,optim_grads_params,auto}``
 selects *our* strategy (Megatron's parser default is ``optim_grads_params``; ``auto``: see
-``parse_args``, with the launcher's ``--activation-reserve-gib G``). Do not pass
-``--use-megatron-fsdp`` (that selects Megatron's own FSDP and its argument validation forces
-other settings) or ``--use-torch-fsdp2``.
+``parse_args``, with the launcher's ``--activation-reserve-gib G``).
+
+A Megatron-FSDP command line runs unchanged: ``--use-megatron-fsdp`` selects this package (the
+Megatron-FSDP being swapped in). Megatron's validation runs with it, as in Megatron-LM: it forces
+``--use-distributed-optimizer`` (with every strategy: the strategy decides what is sharded, ``no_shard``
+keeps replicated optimizer state), allows ``--optimizer adam`` / ``sgd`` only and demands ``--ckpt-format
+fsdp_dtensor``, which ``--save`` writes and ``--load`` reads in Megatron-FSDP's layout. Megatron-FSDP's
+other flags are honoured, refused or warned about as docs/megatron_settings.md says. ``--use-torch-fsdp2``
+is refused.
 
 An example, not library code: it lives outside the installed package, and its pieces
 (``parse_args``, ``use_fully_sharded_data_parallel``, ``model_provider``, ``forward_step``) are
@@ -40,16 +46,18 @@ Defaults: ``--tokenizer-type NullTokenizer`` (give ``--vocab-size``). The launch
 ``param.main_grad``, which our wrapper does not provide).
 
 Checkpoints: ``--save DIR --save-interval N`` / ``--load DIR`` with ``--ckpt-format torch_dist``
-(Megatron-LM's default; the other formats are rejected). Each rank writes only its shards
+(Megatron-LM's default) or ``fsdp_dtensor`` (Megatron-FSDP's; the other formats are rejected). Each rank writes only its shards
 (``megatron_fsdp_v2/megatron/dist_checkpoint.py``); a checkpoint loads at another data-parallel
 size and with another ``--data-parallel-sharding-strategy``, model and optimizer state included.
 ``--save`` writes the optimizer in Megatron DDP + DistributedOptimizer's layout (``dp_reshardable``,
 or ``fully_reshardable`` with ``--dist-ckpt-optim-fully-reshardable``), so Megatron-LM with
 ``--use-distributed-optimizer`` resumes from it; ``--load`` of such a checkpoint written by
 Megatron-LM resumes with its optimizer state (``load_checkpoint`` is wrapped to read which layout the
-directory holds first: ``read_optimizer_layout``). ``--load`` also reads Megatron-FSDP's
-``fsdp_dtensor`` directories, with ``--ckpt-format fsdp_dtensor`` (and no ``--save``) or with
-``--auto-detect-ckpt-format`` (``checkpoint_format_to_load``; ``load_megatron_fsdp_checkpoint``).
+directory holds first: ``read_optimizer_layout``). Without ``--use-distributed-optimizer`` it writes ``fully_reshardable``, which Megatron DDP also
+loads. With ``--ckpt-format fsdp_dtensor``, ``--save`` writes Megatron-FSDP's layout
+(``save_megatron_fsdp_checkpoint``: dense GPT layers without ``--swiglu``, tensor- and pipeline-parallel
+size 1) and ``--load`` reads it; ``--auto-detect-ckpt-format`` reads either format
+(``checkpoint_format_to_load``; ``load_megatron_fsdp_checkpoint``).
 docs/checkpointing.md has the recipes, both directions.
 """
 
@@ -78,10 +86,7 @@ DATA_PARALLEL_CLASS = FullyShardedDataParallel
 LAUNCHER_DEFAULTS = {"tokenizer_type": "NullTokenizer"}
 
 _FORBIDDEN_FLAGS = {
-    "use_megatron_fsdp": "--use-megatron-fsdp selects Megatron's own FSDP; this launcher uses "
-                         "megatron_fsdp_v2 (pick the strategy with --data-parallel-sharding-strategy)",
     "use_torch_fsdp2": "--use-torch-fsdp2 selects torch FSDP2; this launcher uses megatron_fsdp_v2",
-    "use_layer_wise_distributed_optimizer": "--use-layer-wise-distributed-optimizer is not supported",
 }
 
 
@@ -95,14 +100,11 @@ def check_launcher_args(args: argparse.Namespace) -> None:
                         f"got {strategy!r}")
     ckpt_format = getattr(args, "ckpt_format", "torch_dist")
     if (getattr(args, "save", None) or getattr(args, "load", None)) and ckpt_format != "torch_dist":
-        problems.append(f"--ckpt-format must be torch_dist with --save / --load, or fsdp_dtensor with --load alone "
-                        f"(sharded, reshardable across data-parallel sizes and strategies; torch and torch_dcp do "
-                        f"not hold the sharded optimizer state of this wrapper), got {ckpt_format!r}")
-    if getattr(args, "load_fsdp_dtensor", False) and getattr(args, "save", None):
-        problems.append("--ckpt-format fsdp_dtensor is read here, not written: to migrate from Megatron-FSDP pass "
-                        "--ckpt-format torch_dist --auto-detect-ckpt-format --load DIR --save DIR2 (or write "
-                        "Megatron-FSDP's layout from your own loop with "
-                        "megatron_fsdp_v2.megatron.fsdp_dtensor_format.save_fsdp_dtensor_checkpoint)")
+        problems.append(f"--ckpt-format must be torch_dist or fsdp_dtensor with --save / --load (sharded, "
+                        f"reshardable across data-parallel sizes and strategies; torch and torch_dcp do not hold "
+                        f"the sharded optimizer state of this wrapper), got {ckpt_format!r}")
+    if getattr(args, "ckpt_format_fsdp_dtensor", False) and getattr(args, "save", None):
+        problems += _fsdp_dtensor_save_problems(args)
     if getattr(args, "data_path", None) or getattr(args, "train_data_path", None):
         problems.append("this launcher trains on mock data only; drop --data-path / --train-data-path")
     if problems:
@@ -110,6 +112,20 @@ def check_launcher_args(args: argparse.Namespace) -> None:
     # The optimizer flags (named as OptimizerConfig's fields), before Megatron's validation asserts
     # on some of them without naming ours: e.g. --optimizer-cpu-offload is refused by its name.
     check_optimizer_config(vars(args), strategy, where="examples/pretrain_gpt.py")
+
+
+def _fsdp_dtensor_save_problems(args: argparse.Namespace) -> List[str]:
+    """What Megatron-FSDP's fsdp_dtensor layout cannot hold (fsdp_dtensor_format.py): Megatron-FSDP
+    splits --swiglu's linear_fc1 and renumbers experts, and its keys carry stage-local layer numbers."""
+    found = [flag for flag, on in (
+        ("--swiglu", getattr(args, "swiglu", False)), ("--num-experts", getattr(args, "num_experts", None)),
+        ("--tensor-model-parallel-size > 1", (getattr(args, "tensor_model_parallel_size", 1) or 1) > 1),
+        ("--pipeline-model-parallel-size > 1", (getattr(args, "pipeline_model_parallel_size", 1) or 1) > 1)) if on]
+    if not found:
+        return []
+    return [f"--ckpt-format fsdp_dtensor --save writes dense GPT layers without --swiglu at tensor- and pipeline-"
+            f"parallel size 1, got {', '.join(found)}; save with --ckpt-format torch_dist (Megatron DDP's layout, "
+            f"reshardable at every parallel size)"]
 
 
 @contextlib.contextmanager
@@ -160,8 +176,9 @@ def take_launcher_flags(argv: List[str]) -> tuple:
 def take_fsdp_dtensor_format(argv: List[str]) -> tuple:
     """``(argv for Megatron, fsdp_dtensor asked?)``: ``--ckpt-format fsdp_dtensor`` becomes
     ``torch_dist`` for Megatron's parser (its validation demands ``--use-megatron-fsdp`` with
-    fsdp_dtensor); the launcher's ``load_checkpoint`` then reads the directory with
-    ``load_fsdp_dtensor_training_state``."""
+    fsdp_dtensor; with ``--use-megatron-fsdp`` it is put back for the validation, which demands it);
+    the launcher's ``load_checkpoint`` then reads the directory with ``load_fsdp_dtensor_training_state``
+    and its ``save_checkpoint`` writes it with ``save_megatron_fsdp_checkpoint``."""
     out, asked, i = [], False, 0
     while i < len(argv):
         flag, eq, value = argv[i].partition("=")
@@ -185,10 +202,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     from megatron.training import arguments
 
     megatron_argv, auto, reserve = take_launcher_flags(list(sys.argv[1:] if argv is None else argv))
-    megatron_argv, load_fsdp_dtensor = take_fsdp_dtensor_format(megatron_argv)
+    megatron_argv, fsdp_dtensor = take_fsdp_dtensor_format(megatron_argv)
     with _argv(megatron_argv):
         args = arguments.parse_args()
-    args.load_fsdp_dtensor = load_fsdp_dtensor
+    args.ckpt_format_fsdp_dtensor = fsdp_dtensor
     if auto:
         args.data_parallel_sharding_strategy = "auto"
     args.activation_reserve_bytes = reserve
@@ -197,13 +214,28 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         logger.info("megatron_fsdp_v2: setting gradient_accumulation_fusion=False (needs param.main_grad)")
     args.gradient_accumulation_fusion = False
     args.mock_data = True
+    if args.use_megatron_fsdp and fsdp_dtensor:
+        args.ckpt_format = FSDP_DTENSOR     # what Megatron's validation of --use-megatron-fsdp demands
     arguments.validate_args(args, dict(LAUNCHER_DEFAULTS))
+    args.ckpt_format = TORCH_DIST if fsdp_dtensor else args.ckpt_format
+    take_megatron_fsdp_flag(args)
     if getattr(args, "optimizer_cpu_offload", False):
         # Megatron's validation demands --use-precision-aware-optimizer with --optimizer-cpu-offload;
         # here it changes nothing (fp32 optimizer dtypes, checked by get_optimizer), and it would set
         # ddp_config.megatron_fsdp_use_decoupled_grad, which the wrapper refuses.
         args.use_precision_aware_optimizer = False
     return args
+
+
+def take_megatron_fsdp_flag(args: argparse.Namespace) -> None:
+    """``--use-megatron-fsdp`` names the Megatron-FSDP this package replaces. Megatron's validation
+    has run with it (``use_distributed_optimizer`` forced, the optimizer and checkpoint format
+    checked); past it, Megatron-LM must not take its own Megatron-FSDP paths (``get_model``'s wrapper
+    class, norms over DTensor parameters, its fsdp_dtensor writer), so the flag is cleared and kept
+    as ``args.megatron_fsdp_command_line``."""
+    args.megatron_fsdp_command_line = bool(getattr(args, "use_megatron_fsdp", False))
+    args.use_megatron_fsdp = False
+    args.use_custom_fsdp = False
 
 
 def data_parallel_class(args: argparse.Namespace) -> type:
@@ -238,7 +270,8 @@ def use_fully_sharded_data_parallel(args: Optional[argparse.Namespace] = None):
     def wrap_model_chunks(model_chunks, config, ddp_config, *, DP=None, pg_collection=None, **kwargs):
         if DP is not None and DP is not training.DDP and DP is not DATA_PARALLEL_CLASS:
             raise ValueError(f"megatron_fsdp_v2 launcher: get_model asked for {getattr(DP, '__name__', DP)}; "
-                             "drop --use-megatron-fsdp / --use-torch-fsdp2.")
+                             "drop --use-torch-fsdp2, and parse the arguments with examples/pretrain_gpt.parse_args "
+                             "(it takes --use-megatron-fsdp as selecting megatron_fsdp_v2).")
         wrapper = DATA_PARALLEL_CLASS
         if ddp_config.data_parallel_sharding_strategy == "auto":
             from megatron.training import get_args
@@ -264,10 +297,21 @@ def use_fully_sharded_data_parallel(args: Optional[argparse.Namespace] = None):
             read_optimizer_layout(optimizer, directory)     # ours, or Megatron DDP's (either sharding type)
         return original_load(ddp_model, optimizer, *args, **kwargs)
 
+    original_save = training.save_checkpoint
+
+    @functools.wraps(original_save)
+    def save_checkpoint(*args, **kwargs):
+        from megatron.training.global_vars import get_args
+
+        if getattr(get_args(), "ckpt_format_fsdp_dtensor", False):
+            return save_megatron_fsdp_checkpoint(*args, **kwargs)
+        return original_save(*args, **kwargs)
+
     training.wrap_model_chunks_with_ddp = wrap_model_chunks
     training.get_megatron_optimizer = get_optimizer
     training.to_empty_if_meta_device = keep_on_meta
     training.load_checkpoint = load_checkpoint
+    training.save_checkpoint = save_checkpoint
     with _prebuilt_dataset_helpers():
         try:
             yield
@@ -276,6 +320,7 @@ def use_fully_sharded_data_parallel(args: Optional[argparse.Namespace] = None):
             training.get_megatron_optimizer = original_get_optimizer
             training.to_empty_if_meta_device = original_to_empty
             training.load_checkpoint = original_load
+            training.save_checkpoint = original_save
 
 
 def latest_checkpoint_directory() -> Optional[str]:
@@ -303,7 +348,7 @@ def checkpoint_format_to_load(directory: str) -> str:
     from megatron.training.global_vars import get_args
 
     args = get_args()
-    asked = FSDP_DTENSOR if getattr(args, "load_fsdp_dtensor", False) else TORCH_DIST
+    asked = FSDP_DTENSOR if getattr(args, "ckpt_format_fsdp_dtensor", False) else TORCH_DIST
     found = detect_checkpoint_format(directory)
     if found == CORE_DCP or (found != asked and not getattr(args, "auto_detect_ckpt_format", False)):
         raise ValueError(f"examples/pretrain_gpt.py: --load {directory!r} holds a {found} checkpoint, while "
@@ -330,6 +375,36 @@ def load_megatron_fsdp_checkpoint(directory: str, ddp_model, optimizer, opt_para
         return 0, 0
     margs.consumed_train_samples = iteration * margs.global_batch_size
     return iteration, flops
+
+
+def save_megatron_fsdp_checkpoint(iteration: int, model, optimizer, opt_param_scheduler,
+                                  num_floating_point_operations_so_far=0, *args, **kwargs) -> None:
+    """``save_checkpoint`` for ``--ckpt-format fsdp_dtensor``: Megatron-FSDP's layout
+    (``save_fsdp_dtensor_checkpoint``) in Megatron-LM's directory for ``iteration`` under ``--save``,
+    with the scheduler, the floating-point operation count and (unless ``--no-save-rng``) the RNG
+    states as Megatron-LM stores them for fsdp_dtensor; then the tracker file, so ``--load`` (ours,
+    or Megatron-LM's with ``--use-megatron-fsdp``) finds it."""
+    from megatron.core import parallel_state as ps
+    from megatron.training import checkpointing
+    from megatron.training.global_vars import get_args
+
+    from megatron_fsdp_v2.megatron.fsdp_dtensor_format import save_fsdp_dtensor_checkpoint
+
+    margs = get_args()
+    directory = checkpointing.get_checkpoint_name(margs.save, iteration, release=False, return_base_dir=True)
+    extra = {"num_floating_point_operations_so_far": num_floating_point_operations_so_far}
+    if opt_param_scheduler is not None and not margs.no_save_optim:
+        extra["opt_param_scheduler"] = opt_param_scheduler.state_dict()
+    if not margs.no_save_rng:
+        extra["rng_state"] = checkpointing.get_rng_state(FSDP_DTENSOR, ps.get_tensor_model_parallel_group(),
+                                                         ps.get_pipeline_model_parallel_group())
+    save_fsdp_dtensor_checkpoint(directory, model[0], None if margs.no_save_optim else optimizer, iteration, margs,
+                                 extra=extra)
+    torch.distributed.barrier()
+    if torch.distributed.get_rank() == 0:
+        with open(checkpointing.get_checkpoint_tracker_filename(margs.save), "w") as tracker:
+            tracker.write(str(iteration))
+    torch.distributed.barrier()
 
 
 @contextlib.contextmanager

@@ -2,7 +2,8 @@
 
 Every collective of the core goes through here (the schedule's all-gathers, reduce-scatters and
 all-reduces, the gradient-norm all-reduce, buffer and parameter broadcasts, the wrap-time checks
-that ranks agree; checkpoint I/O uses torch.distributed.checkpoint's own), so ``comm_stats()`` is exact and the sequence check below sees them all;
+that ranks agree; checkpoint I/O uses torch.distributed.checkpoint's own), so ``comm_stats()`` is exact and
+the group's ledger (collective_ledger.py, [Note: ranks that issue different collectives]) sees them all;
 ``fully_shard`` resets the counts once the model is wrapped. Bytes are counted as the full
 buffer a collective covers (the gathered output of an all-gather, the input of a reduce-scatter,
 the tensor of an all-reduce), which is what the ZeRO papers call "Psi" per collective.
@@ -27,13 +28,13 @@ never here: the collective functions do not know which strategy calls them.
 
 from __future__ import annotations
 
-import hashlib
-import os
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
+
+from .collective_ledger import CollectiveLedger, LedgerMode, ledger_and_mode
 
 
 class PendingCollective(NamedTuple):
@@ -63,20 +64,6 @@ COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "all_t
 all_gather_single = dist.all_gather_single if hasattr(dist, "all_gather_single") else dist.all_gather_into_tensor
 reduce_scatter_single = (dist.reduce_scatter_single if hasattr(dist, "reduce_scatter_single")
                          else dist.reduce_scatter_tensor)
-
-# [Note: checking the sequence of collectives]
-# Ranks whose control flow differs (a unit skipped on one rank) issue different collectives; NCCL
-# and gloo then hang until the process-group timeout or abort with no Python error. With this
-# variable set to 1, every collective is preceded by a blocking all-gather of a fingerprint
-# (sequence number, kind, dtype, size, and what it is for: the group, hence the unit); the first
-# mismatch raises on every rank, naming what each rank was about to do. Like
-# TORCH_DISTRIBUTED_DEBUG it is for debugging: one extra small collective and a host sync per
-# collective. Unset (the default) it costs one boolean test per collective.
-CHECK_SEQUENCE_ENV = "MEGATRON_FSDP_V2_CHECK_COLLECTIVES"
-
-
-def _fingerprint(text: str) -> int:
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
 
 
 @dataclass
@@ -123,31 +110,14 @@ class Communicator:
         self.size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
         self.stats = CommStats()
-        self.check_sequence = os.environ.get(CHECK_SEQUENCE_ENV, "0") not in ("", "0")
-        self._sequence = 0
-
-    def _check_same_collective(self, kind: str, tensor: torch.Tensor, label: str, numel: Optional[int] = None) -> None:
-        """[Note: checking the sequence of collectives]: raise on every rank at the first mismatch
-        (``numel``: the size every rank names, where ``tensor``'s own differs between ranks)."""
-        self._sequence += 1
-        what = f"{kind} of {tensor.numel() if numel is None else numel} x {str(tensor.dtype).replace('torch.', '')} for {label or '?'}"
-        mine = torch.tensor([_fingerprint(what)], dtype=torch.int64, device=tensor.device)
-        everyone = torch.empty(self.size, dtype=torch.int64, device=tensor.device)
-        all_gather_single(everyone, mine, group=self.group)
-        if len(set(everyone.tolist())) == 1:
-            return
-        described: list = [None] * self.size
-        dist.all_gather_object(described, what, group=self.group)
-        per_rank = "; ".join(f"rank {r}: {d}" for r, d in enumerate(described))
-        raise RuntimeError(
-            f"data-parallel ranks issue different collectives at collective #{self._sequence} ({per_rank}). "
-            f"Their control flow differs (e.g. a unit runs on some ranks only); every rank must run the "
-            f"same units in the same order. (Checked because {CHECK_SEQUENCE_ENV} is set.)")
+        # [Note: ranks that issue different collectives]: what is recorded and checked before each call
+        ledger, mode = ledger_and_mode(process_group)
+        self.ledger: CollectiveLedger = ledger
+        self.ledger_mode: LedgerMode = mode
 
     def all_gather(self, output: torch.Tensor, shard: torch.Tensor, async_op: bool = False, label: str = ""):
         """Gather equal shards from every rank into ``output`` (rank order)."""
-        if self.check_sequence:
-            self._check_same_collective("all_gather", output, label)
+        self.ledger.before("all_gather", output, label, self.ledger_mode)
         self.stats.record("all_gather", output)
         return all_gather_single(output, shard, group=self.group, async_op=async_op)
 
@@ -156,8 +126,7 @@ class Communicator:
         """Sum ``full`` over ranks and leave this rank's equal slice of the sum in ``shard_out``, or,
         with ``splits`` (every rank's number of elements, in rank order, summing to ``full``'s), this
         rank's slice of those sizes (torch's list ``reduce_scatter``: grouped reduces on NCCL)."""
-        if self.check_sequence:
-            self._check_same_collective("reduce_scatter", full, label)
+        self.ledger.before("reduce_scatter", full, label, self.ledger_mode)
         self.stats.record("reduce_scatter", full)
         if splits is not None and len(set(splits)) > 1:   # equal splits: the flat call (no staging copy)
             return dist.reduce_scatter(shard_out, list(full.split(list(splits))), op=dist.ReduceOp.SUM,
@@ -167,8 +136,7 @@ class Communicator:
     def all_reduce(self, tensor: torch.Tensor, async_op: bool = False, label: str = "",
                    op: dist.ReduceOp = dist.ReduceOp.SUM):
         """Reduce ``tensor`` over ranks in place (sum, or ``op``, e.g. MAX for an inf-norm)."""
-        if self.check_sequence:
-            self._check_same_collective("all_reduce", tensor, label)
+        self.ledger.before("all_reduce", tensor, label, self.ledger_mode)
         self.stats.record("all_reduce", tensor)
         return dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
 
@@ -180,8 +148,9 @@ class Communicator:
         Counted as ``covered_numel`` elements of ``send``'s dtype: what the exchange moves over all
         ranks together, the same number on every rank (as an all-gather counts its whole output), which
         the caller knows from a plan every rank shares (e.g. optim/matrix_owners.py's)."""
-        if self.check_sequence:
-            self._check_same_collective("all_to_all", send, label, numel=covered_numel)
+        # every rank names the exchange's whole size (its own send differs between ranks)
+        self.ledger.before("all_to_all", torch.empty(covered_numel, dtype=send.dtype, device="meta"), label,
+                           self.ledger_mode)
         self.stats.counts["all_to_all"] += 1
         self.stats.nbytes["all_to_all"] += covered_numel * send.element_size()
         return dist.all_to_all_single(output, send, list(output_splits), list(send_splits), group=self.group,
@@ -189,6 +158,7 @@ class Communicator:
 
     def all_gather_object(self, obj) -> list:
         """Every rank's picklable ``obj`` (error paths only: never on the training schedule)."""
+        self.ledger.before("all_gather_object", None, "what differs (error path)", self.ledger_mode)
         out: list = [None] * self.size
         dist.all_gather_object(out, obj, group=self.group)
         return out
@@ -205,8 +175,7 @@ class Communicator:
         with torch.no_grad():
             for same_kind in by_kind.values():
                 flat = torch.cat([t.reshape(-1) for t in same_kind])
-                if self.check_sequence:
-                    self._check_same_collective("broadcast", flat, label)
+                self.ledger.before("broadcast", flat, label, self.ledger_mode)
                 self.stats.record("broadcast", flat)
                 dist.broadcast(flat, src=src, group=self.group)
                 offset = 0

@@ -41,17 +41,23 @@ def has_protocol(tensor: torch.Tensor) -> bool:
 
 
 def _is_plain(param: torch.Tensor) -> bool:
-    return type(param) in (torch.Tensor, nn.Parameter) or isinstance(param, DTensor)
+    return type(param) in (torch.Tensor, nn.Parameter)
 
 
 def check_param_types(module: nn.Module) -> None:
     """Refuse a parameter whose tensor is a subclass we can not shard exactly: neither a plain
-    tensor, a DTensor, nor one implementing both halves of the protocol with
-    ``__tensor_flatten__`` (how we wrap our own main shard in its class). Deterministic from the
+    tensor nor one implementing both halves of the protocol with ``__tensor_flatten__`` (how we
+    wrap our own main shard in its class); a DTensor parameter (torch tensor parallelism) too. Deterministic from the
     model, so every rank that builds the same model raises the same error."""
     for name, param in module.named_parameters():
         if _is_plain(param):
             continue
+        if isinstance(param, DTensor):
+            raise TypeError(
+                f"module: parameter {name!r} is already a DTensor (placements {tuple(param.placements)}, e.g. from "
+                "torch tensor parallelism); fully_shard shards plain tensors: allowed are plain tensors (Megatron's "
+                "tensor parallelism keeps plain local shards) and tensor subclasses implementing FSDP2's all-gather "
+                "extension.")
         kind = f"{type(param).__module__}.{type(param).__qualname__}"
         has_pre = callable(getattr(param, "fsdp_pre_all_gather", None))
         has_post = callable(getattr(param, "fsdp_post_all_gather", None))

@@ -75,6 +75,8 @@ from typing import Optional
 
 import torch
 
+from .thread_shutdown import join_thread, shut_down_at_exit
+
 __all__ = ["BackwardSteps", "check_steppable", "install_backward_steps"]
 
 _STEPPABLE = ("Adam", "AdamW", "SGD")
@@ -209,7 +211,8 @@ class BackwardSteps:
         # the group's backward); the timeline benchmarks/profile_step.py prints
         self.timeline: Optional[list] = None
         self._lowered = [False]                # the switch interval is lowered for this backward's hand-overs
-        weakref.finalize(self, self._queue.put, None)    # ends the thread with this object
+        # ends the thread with this object (at exit thread_shutdown.py joins it first)
+        weakref.finalize(self, self._queue.put, None).atexit = False
         weakref.finalize(self, _SwitchInterval.restore_if, self._lowered)   # a model dropped mid-step
 
     @property
@@ -232,6 +235,7 @@ class BackwardSteps:
                                                                 self.threads),
                                             name="megatron_fsdp_v2 offloaded steps", daemon=True)
             self._thread.start()
+            shut_down_at_exit(self)      # [Note: threads at exit]
         # the group's last device reads of its compute shard (its backward gather) are queued by now
         timed = self.timeline is not None
         handed_at = self.link.compute_event(timing=timed)
@@ -305,6 +309,17 @@ class BackwardSteps:
             self._error = exc
 
     # -- the main thread's side ------------------------------------------------------------------
+    def shut_down(self) -> None:
+        """End the thread once the groups handed to it are stepped, and wait until it has exited
+        (destroy_process_group, interpreter exit: thread_shutdown.py, [Note: threads at exit]); the
+        next hand-over starts a new one. What it held (its last upload) goes with it."""
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return
+        self._queue.put(None)
+        join_thread(thread)
+        self._last_upload = None
+
     def wait(self) -> None:
         """Wait for every handed-over group; raise what the thread raised."""
         if self._thread is not None:

@@ -17,9 +17,11 @@ group is gloo, created here. Checkout scaffolding, not installed; never imported
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
+import types
 from typing import List
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -31,9 +33,11 @@ TRAINING_MODULES = ["megatron.training.initialize", "megatron.training.training"
                     "megatron.core.timers", "megatron.core.rerun_state_machine"]
 
 
-def main(argv: List[str]) -> None:
-    """Run the launcher's ``main(argv)`` on CPU under torchrun's environment."""
-    sys.path[:0] = [REPO, os.path.join(REPO, "examples")]
+@contextlib.contextmanager
+def launcher_on_cpu():
+    """The launcher module (``examples/pretrain_gpt.py``), its training on CPU within: the stand-ins
+    above applied, undone on exit. The default process group must exist (gloo)."""
+    sys.path[:0] = [p for p in (REPO, os.path.join(REPO, "examples")) if p not in sys.path]
     import torch
 
     import pretrain_gpt
@@ -46,6 +50,8 @@ def main(argv: List[str]) -> None:
         max_memory_allocated = memory_allocated = memory_reserved = max_memory_reserved = \
             staticmethod(lambda *a, **k: 0)
         reset_peak_memory_stats = staticmethod(lambda *a, **k: None)
+        # Megatron's validation of --use-megatron-fsdp reads the GPU generation: Hopper's
+        get_device_properties = staticmethod(lambda *a, **k: types.SimpleNamespace(major=9, minor=0))
         get_rng_state = staticmethod(lambda *a, **k: cpu_compat._FAKE_CUDA_GENERATOR.get_state())
         set_rng_state = staticmethod(lambda state, *a, **k: cpu_compat._FAKE_CUDA_GENERATOR.set_state(state))
 
@@ -54,11 +60,23 @@ def main(argv: List[str]) -> None:
         output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"])
         return output, functools.partial(pretrain_gpt.loss_func, batch["loss_mask"])
 
+    saved_forward_step, saved_cuda = pretrain_gpt.forward_step, torch.nn.Module.cuda
     pretrain_gpt.forward_step = forward_step
     torch.nn.Module.cuda = lambda self, *a, **k: self
+    try:
+        with cpu_compat.patch_megatron_for_cpu(*TRAINING_MODULES):
+            sys.modules[TRAINING_MODULES[0]].torch.cuda = LauncherCuda()     # the shim all patched modules share
+            yield pretrain_gpt
+    finally:
+        pretrain_gpt.forward_step, torch.nn.Module.cuda = saved_forward_step, saved_cuda
+
+
+def main(argv: List[str]) -> None:
+    """Run the launcher's ``main(argv)`` on CPU under torchrun's environment."""
+    import torch
+
     torch.distributed.init_process_group("gloo")
-    with cpu_compat.patch_megatron_for_cpu(*TRAINING_MODULES):
-        sys.modules[TRAINING_MODULES[0]].torch.cuda = LauncherCuda()     # the shim all patched modules share
+    with launcher_on_cpu() as pretrain_gpt:
         pretrain_gpt.main(argv)
     torch.distributed.destroy_process_group()
 

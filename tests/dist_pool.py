@@ -21,7 +21,8 @@ Contract for ``fn`` and its arguments / results:
   created by a previous case (``dist.new_group``) stay alive.
 * After a case that succeeded, Megatron state it left set is torn down (``_megatron_cleanup``):
   the parallel state, Megatron-LM's global variables and micro-batch calculator (which
-  ``destroy_global_vars()`` does not reset), the checkpoint version seen by ``load_checkpoint``.
+  ``destroy_global_vars()`` does not reset), the rerun state machine (``initialize_megatron``), the
+  checkpoint version seen by ``load_checkpoint``.
 * A case must leave the default process group alone. If it destroys or replaces it, or leaves
   Megatron's CPU patches applied (``patch_megatron_for_cpu`` outside its ``with``), its result is
   still returned but the pool is retired (with a warning) and respawned at the next call.
@@ -219,6 +220,9 @@ def _megatron_cleanup() -> Optional[str]:
     microbatches = sys.modules.get("megatron.core.num_microbatches_calculator")
     if microbatches is not None:
         microbatches.unset_num_microbatches_calculator()
+    rerun = sys.modules.get("megatron.core.rerun_state_machine")
+    if rerun is not None:              # set by initialize_megatron (a whole pretrain() run)
+        rerun.destroy_rerun_state_machine()
     checkpointing = sys.modules.get("megatron.training.checkpointing")
     if checkpointing is not None:      # set by load_checkpoint; a later load of another version would assert
         checkpointing._CHECKPOINT_VERSION = checkpointing._LOADED_ITERATION = None

@@ -7,7 +7,9 @@ reads) ends with ``raise_on_every_rank``. This is one small ``all_gather_object`
 (a class name and a message per rank, our own objects, never file content). If any rank failed,
 every rank raises: a failed rank raises its own exception; the others raise the same class (when
 it is a built-in or checkpoint error class, else RuntimeError) with every failure's message,
-each naming its rank.
+each naming its rank. The exchange is a collective of ours: its group's ledger checks that every
+rank makes it (``call`` names it; collective_ledger.py, [Note: ranks that issue different
+collectives]), so a save called on rank 0 only raises ``CollectiveMismatchError`` on every rank.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Optional, Sequence
 
 import torch.distributed as dist
 
+from ..collective_ledger import before_collective
 from .errors import CheckpointCorruptError, UnsafeCheckpointError
 
 __all__ = ["gather_reports", "raise_on_every_rank", "raise_reported"]
@@ -28,9 +31,11 @@ def _report(error: Optional[BaseException]) -> Optional[tuple]:
     return None if error is None else (type(error).__name__, str(error))
 
 
-def gather_reports(group, error: Optional[BaseException], extra=None) -> list:
+def gather_reports(group, error: Optional[BaseException], extra=None, call: str = "") -> list:
     """Every rank's ``(failure or None, extra)``, in group-rank order; ``extra`` is any small value
-    the caller wants to compare across ranks (e.g. which directory each rank chose)."""
+    the caller wants to compare across ranks (e.g. which directory each rank chose); ``call`` names
+    the exchange in the group's ledger (the same text on every rank: no path a rank chose)."""
+    before_collective(group, "all_gather_object", call)
     reports: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(reports, (_report(error), extra), group=group)
     return reports
@@ -51,6 +56,7 @@ def raise_reported(reports: Sequence, error: Optional[BaseException], what: str)
     raise cls(f"{what} failed on group rank(s) {sorted(failed)}, so every rank stops: {details}")
 
 
-def raise_on_every_rank(group, error: Optional[BaseException], what: str) -> None:
-    """If ``error`` (this rank's failure, or None) or any other rank's is set, raise on every rank."""
-    raise_reported(gather_reports(group, error), error, what)
+def raise_on_every_rank(group, error: Optional[BaseException], what: str, call: str) -> None:
+    """If ``error`` (this rank's failure, or None) or any other rank's is set, raise on every rank;
+    ``call`` names the exchange in the group's ledger."""
+    raise_reported(gather_reports(group, error, call=call), error, what)

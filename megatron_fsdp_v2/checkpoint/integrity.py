@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from ..collective_ledger import before_collective
 from .collective_errors import raise_on_every_rank
 from .errors import CheckpointCorruptError, corrupt, this_rank
 
@@ -147,12 +148,14 @@ def write_directory_manifest(directory, group=None) -> None:
     names = [n for n in os.listdir(directory) if n.endswith(".distcp") or n == METADATA_FILE]
     mine = {name: file_checksum(os.path.join(directory, name)) for name in _round_robin(names, group)}
     everyone: list = [None] * dist.get_world_size(group)
+    before_collective(group, "all_gather_object", "write_directory_manifest: checksums")
     dist.all_gather_object(everyone, mine, group=group)
     if dist.get_rank(group) == 0:
         files: dict = {}
         for part in everyone:
             files.update(part)
         _write_manifest(directory, files)
+    before_collective(group, "barrier", "write_directory_manifest: written")
     dist.barrier(group=group)
 
 
@@ -171,7 +174,7 @@ def verify_directory(directory, group=None) -> None:
             verify_file(directory, name, manifest)
     except ValueError as exc:              # CheckpointCorruptError, or a manifest of another format
         error = exc
-    raise_on_every_rank(group, error, f"verifying checkpoint {directory!r}")
+    raise_on_every_rank(group, error, f"verifying checkpoint {directory!r}", "verify_directory: checksums checked")
 
 
 class ChecksummedFileSystemWriter(FileSystemWriter):

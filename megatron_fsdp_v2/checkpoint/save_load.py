@@ -20,6 +20,7 @@ from .integrity import ChecksummedFileSystemWriter, CheckpointCorruptError
 from .collective_errors import gather_reports, raise_on_every_rank, raise_reported
 from .safe_reader import SafeFileSystemReader, TensorsOnlyLoadPlanner, UnsafeCheckpointError
 
+from ..collective_ledger import before_collective
 from ..experts import expert_names_refusal
 
 from .state_dict import (_CLASS_BYTES, CLASS_KEY, _decode_class, _missing_state, _model_shapes, _optimizer_mismatch,
@@ -43,7 +44,8 @@ def save_checkpoint(path: "str | os.PathLike", model, optimizer=None) -> None:
     group = _checkpoint_group(model)
     leader = dist.get_rank(group) == 0
     _on_leader(group, leader, lambda: checkpoint_commit.recover(path),
-               f"save_checkpoint({path!r}): recovering from an earlier save")
+               f"save_checkpoint({path!r}): recovering from an earlier save",
+               "save_checkpoint: recovering from an earlier save")
     sd = OrderedDict((f"model.{k}", v) for k, v in model_state_dict(model).items())
     if optimizer is not None:
         sd.update((f"optimizer.{k}", v) for k, v in optimizer_state_dict(model, optimizer).items())
@@ -61,7 +63,7 @@ def save_checkpoint(path: "str | os.PathLike", model, optimizer=None) -> None:
                                f"previous checkpoint there is intact. {exc}") from exc
         raise
     _on_leader(group, leader, lambda: checkpoint_commit.commit(path),
-               f"save_checkpoint({path!r}): committing {tmp!r}")
+               f"save_checkpoint({path!r}): committing {tmp!r}", "save_checkpoint: committing")
 
 
 def _checkpoint_group(model):
@@ -78,16 +80,17 @@ def _checkpoint_group(model):
     return dist.group.WORLD
 
 
-def _on_leader(group, leader: bool, step, what: str) -> None:
+def _on_leader(group, leader: bool, step, what: str, call: str) -> None:
     """Run ``step()`` on the group's rank 0 only (directory renames); an exception there is raised
-    on every rank, so none waits alone in the next collective."""
+    on every rank, so none waits alone in the next collective (``call``: the exchange's name in the
+    group's ledger)."""
     error = None
     if leader:
         try:
             step()
         except Exception as exc:  # noqa: BLE001 - raised on every rank below
             error = exc
-    raise_on_every_rank(group, error, what)
+    raise_on_every_rank(group, error, what, call)
 
 
 class _LoadPlan:
@@ -167,7 +170,8 @@ def load_checkpoint(path: "str | os.PathLike", model, optimizer=None) -> None:
     except Exception as exc:  # noqa: BLE001 - raised on every rank below
         error = exc
     reports = gather_reports(group, error, None if plan is None else (plan.directory, plan.missing[:20],
-                                                                      len(plan.missing)))
+                                                                      len(plan.missing)),
+                             call="load_checkpoint: checking the checkpoint against the model")
     raise_reported(reports, error, what)
     directories = [extra[0] for _, extra in reports]
     if len(set(directories)) > 1:
@@ -211,4 +215,6 @@ def export_full_state_dict(model, path: "str | os.PathLike", rank: int = 0) -> N
         tmp = os.fspath(path) + ".tmp"
         torch.save(OrderedDict(sorted(full.items(), key=lambda kv: order.get(kv[0], 1 << 30))), tmp)
         os.replace(tmp, path)
-    dist.barrier(group=_checkpoint_group(model))
+    group = _checkpoint_group(model)
+    before_collective(group, "barrier", "export_full_state_dict: written")
+    dist.barrier(group=group)

@@ -164,7 +164,8 @@ def load_fsdp_dtensor_checkpoint(path: "str | os.PathLike", wrapper, optimizer=N
     error = None if is_fsdp_dtensor_keys(metadata) else ValueError(
         f"load_fsdp_dtensor_checkpoint({path!r}): not an fsdp_dtensor checkpoint (no 'model.module.*' keys).")
     error = error or _check_layout(wrapper, metadata, [_bare(n) for n in names])
-    raise_on_every_rank(None, error, f"load_fsdp_dtensor_checkpoint({path!r})")
+    raise_on_every_rank(None, error, f"load_fsdp_dtensor_checkpoint({path!r})",
+                        "load_fsdp_dtensor_checkpoint: checking the checkpoint")
     request, ours, optim = _requests(module, torch_optimizer, metadata)
     dcp.load(request, storage_reader=reader, planner=DefaultLoadPlanner(allow_partial_load=False))
     module.load_state_dict(ours)
@@ -193,17 +194,21 @@ def _checkpoint_args(wrapper, args: Optional[argparse.Namespace]) -> argparse.Na
 
 
 def save_fsdp_dtensor_checkpoint(path: "str | os.PathLike", wrapper, optimizer=None, iteration: Optional[int] = None,
-                                 args: Optional[argparse.Namespace] = None) -> None:
+                                 args: Optional[argparse.Namespace] = None, extra: Optional[dict] = None) -> None:
     """Write ``wrapper`` (and ``optimizer``'s Adam state) in Megatron-FSDP's ``fsdp_dtensor`` layout,
     for Megatron-LM ``--use-megatron-fsdp --ckpt-format fsdp_dtensor --load``. Each rank writes its
     own rows; ``.checksums.json`` is added (Megatron ignores it). ``args``: Megatron-LM's arguments
-    to store (pickled, as Megatron-LM does; default: the model's sizes, which its load checks)."""
+    to store (pickled, as Megatron-LM does; default: the model's sizes, which its load checks).
+    ``extra``: more top-level entries as Megatron-LM's ``save_checkpoint`` writes them
+    (``opt_param_scheduler``, ``num_floating_point_operations_so_far``, ``rng_state``; the launcher's
+    ``--save``)."""
     module, torch_optimizer = checkpoint_targets(wrapper, optimizer)
     # the model's keys: Megatron-FSDP's state_dict (Float16Module's state_dict adds no prefix); the
     # optimizer's: parameter names in the model chunk (Megatron-FSDP's adapter, Megatron-FSDP, Float16Module)
     model_prefix, state_prefix = "module.", "module.module." + getattr(wrapper, "_ckpt_prefix", "")
     error = _check_layout(wrapper, {}, [])
-    raise_on_every_rank(None, error, f"save_fsdp_dtensor_checkpoint({os.fspath(path)!r})")
+    raise_on_every_rank(None, error, f"save_fsdp_dtensor_checkpoint({os.fspath(path)!r})",
+                        "save_fsdp_dtensor_checkpoint: checking the layout")
     out = OrderedDict((f"{_MODEL}{model_prefix}{_bare(n)}", v) for n, v in model_state_dict(module).items()
                       if not n.endswith("._extra_state"))
     if torch_optimizer is not None:
@@ -215,6 +220,10 @@ def save_fsdp_dtensor_checkpoint(path: "str | os.PathLike", wrapper, optimizer=N
                     out[f"{_GROUP_META}{state_prefix}{_bare(name)}.step"] = int(value.item())
     out.update(args=_checkpoint_args(wrapper, args), checkpoint_version=3.0,
                iteration=0 if iteration is None else int(iteration))
+    clash = sorted(set(extra or {}) & (set(out) | {"model", "optimizer"}))
+    if clash:
+        raise ValueError(f"save_fsdp_dtensor_checkpoint: extra entries {clash} would replace the checkpoint's own.")
+    out.update(extra or {})
     dcp.save(out, storage_writer=ChecksummedFileSystemWriter(os.fspath(path)))
 
 

@@ -200,8 +200,9 @@ def get_optimizer(
         config = dataclasses.replace(config, use_distributed_optimizer=True)
     else:
         config = dataclasses.replace(config, use_distributed_optimizer=False, bf16=False, fp16=False)
-    if config.optimizer == "muon":
+    if config.optimizer == "muon":       # our rows replace Megatron's layer-wise sharding (settings.py)
         require_emerging_optimizers()
+        config = dataclasses.replace(config, use_layer_wise_distributed_optimizer=False)
 
     optimizer = get_megatron_optimizer(config, chunks, config_overrides=config_overrides,
                                        use_gloo_process_groups=use_gloo_process_groups,

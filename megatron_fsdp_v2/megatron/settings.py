@@ -132,18 +132,6 @@ _DECOUPLED_GRAD = _refused(
 
 
 # ---------------------------------------------------------------- DistributedDataParallelConfig
-def _no_shard_with_distributed_optimizer(value, context) -> bool:
-    strategy = context.get("strategy") or getattr(context.get("ddp"), "data_parallel_sharding_strategy", None)
-    return bool(value) and strategy == "no_shard"
-
-
-def _no_shard_distributed_optimizer_without_offload(value, context) -> bool:
-    """Megatron's OptimizerConfig asserts use_distributed_optimizer with optimizer_cpu_offload (and
-    the precision-aware optimizer it demands); our offload works on no_shard, so that pair passes."""
-    offload = getattr(context.get("optimizer"), "optimizer_cpu_offload", False)
-    return _no_shard_with_distributed_optimizer(value, context) and not offload
-
-
 def _outer_strategy_problem(value, context) -> Union[bool, str]:
     ddp = context["ddp"]
     if value not in ("no_shard", "optim"):
@@ -197,12 +185,12 @@ DDP_SETTINGS: Dict[str, Setting] = {s.field: s for s in (
                "no effect; warns when True with overlap_param_gather and pipeline parallelism",
                "each pipeline stage all-gathers its weights when its own forward needs them",
                when=_align_with_pipeline),
-    _refused("use_distributed_optimizer", "--use-distributed-optimizer",
-             "honoured by the strategy ('optim', 'optim_grads', 'optim_grads_params' shard the optimizer "
-             "state); refused with 'no_shard'",
-             "data_parallel_sharding_strategy='no_shard' (--data-parallel-sharding-strategy) keeps the whole "
-             "optimizer state on every rank; Megatron's DDP with the distributed optimizer is ZeRO-1: use "
-             "data_parallel_sharding_strategy='optim'", when=_no_shard_with_distributed_optimizer),
+    _honoured("use_distributed_optimizer", "--use-distributed-optimizer",
+              "honoured as Megatron-FSDP means it (its argument validation forces it with --use-megatron-fsdp): "
+              "the strategy decides what is sharded; 'optim', 'optim_grads' and 'optim_grads_params' shard the "
+              "optimizer state, 'no_shard' keeps it replicated",
+              "Megatron's DDP with the distributed optimizer is ZeRO-1, which is "
+              "--data-parallel-sharding-strategy optim here"),
     _honoured("num_distributed_optimizer_instances", "--num-distributed-optimizer-instances",
               "honoured: hybrid sharding (shards within an instance, gradients averaged across instances); "
               "refused with experts"),
@@ -237,7 +225,8 @@ DDP_SETTINGS: Dict[str, Setting] = {s.field: s for s in (
              "MXFP8 parameter all-gathers are not supported"),
     _honoured("use_megatron_fsdp", "--use-megatron-fsdp",
               "set: the wrapper's ddp_config copy always has True, so Megatron's optimizer takes its FSDP "
-              "path (the launcher refuses the flag, which would select Megatron's own FSDP)"),
+              "path; examples/pretrain_gpt.py takes the flag as selecting this package (Megatron's argument "
+              "validation runs with it, then get_model wraps with FullyShardedDataParallel)"),
     _honoured("use_custom_fsdp", None, "not read (Megatron's deprecated alias of use_megatron_fsdp)"),
     _honoured("data_parallel_sharding_strategy", "--data-parallel-sharding-strategy",
               "honoured: fully_shard's sharding_strategy"),
@@ -372,17 +361,16 @@ OPTIMIZER_SETTINGS: Dict[str, Setting] = {s.field: s for s in (
     *_read_only_by("lion", "lion_beta1 lion_beta2", _MUON_FLAGS),
     *_read_only_by("soap", "soap_shampoo_beta soap_precondition_frequency soap_use_kl_shampoo", {}),
     *_read_only_by("adaptive_muon", "adaptive_muon_moment2_method adaptive_muon_beta2 adaptive_muon_eps", {}),
-    _refused("use_distributed_optimizer", "--use-distributed-optimizer",
-             "set by get_optimizer (True for adam: Megatron's DistributedOptimizer on its FSDP path; False for "
-             "sgd); refused with a 'no_shard' model, except with optimizer_cpu_offload (which Megatron's "
-             "OptimizerConfig only accepts with it)",
-             "the 'no_shard' model keeps the whole optimizer state on every rank; Megatron's DDP with the "
-             "distributed optimizer is ZeRO-1: wrap with data_parallel_sharding_strategy='optim'",
-             when=_no_shard_distributed_optimizer_without_offload),
-    _refused("use_layer_wise_distributed_optimizer", "--use-distributed-optimizer (with muon)", "refused when True",
-             "Megatron's layer-wise optimizer keeps whole matrices per rank; here each matrix's momentum stays "
-             "sharded like its parameter and the matrix is gathered to one owner rank per step (optimizer='muon' "
-             "with use_distributed_optimizer=False)"),
+    _honoured("use_distributed_optimizer", "--use-distributed-optimizer",
+              "set by get_optimizer (True for adam: Megatron's DistributedOptimizer on its FSDP path, with every "
+              "strategy; False for sgd)",
+              "with 'no_shard' the DistributedOptimizer steps replicated main weights and sums gradient norms over "
+              "the model-parallel group only, as for Megatron-FSDP"),
+    _honoured("use_layer_wise_distributed_optimizer", "--use-distributed-optimizer (with muon)",
+              "honoured by the strategy, as use_distributed_optimizer: Megatron-LM sets it for --optimizer muon "
+              "with --use-distributed-optimizer; Muon's momentum is sharded like its parameter (optim, "
+              "optim_grads, optim_grads_params) and each matrix is gathered to one owner rank per step, so "
+              "get_optimizer builds Megatron's Muon without its layer-wise wrapper (megatron/muon.py)"),
     _honoured("overlap_param_gather", "--overlap-param-gather",
               "honoured: Megatron's optimizer reads it only with reuse_grad_buf_for_mxfp8_param_ag (refused); "
               "see ddp_config.overlap_param_gather"),

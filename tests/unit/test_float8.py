@@ -206,7 +206,9 @@ def compile_worker(rank, world_size, strategy, convert, where, steps):
 
 
 @pytest.mark.parametrize("strategy,convert,where", [("optim_grads_params", True, "block"),
+                                                    ("optim_grads", True, "block"),
                                                     ("optim", True, "model"),
+                                                    ("no_shard", True, "model"),
                                                     ("no_shard", False, "block")])
 def test_compiled_training_equals_eager(strategy, convert, where):
     """Compiled per block before wrapping, or as a whole after: the losses of eager, and no graph
@@ -290,3 +292,22 @@ def test_summon_full_params_puts_plain_full_weights_and_writes_back(strategy):
     seen, written, after = run_distributed(summon_worker, 2, strategy)[0]
     assert seen == ("Parameter", True) and written
     assert after == ("WeightWithDynamicFloat8CastTensor" if strategy == "no_shard" else "DTensor"), after
+
+
+def dtensor_param_worker(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    model = nn.Sequential(nn.Linear(4, 4))
+    mesh = init_device_mesh("cpu", (world_size,))
+    model[0].weight = nn.Parameter(distribute_tensor(model[0].weight.detach(), mesh, [Shard(0)]))
+    try:
+        fully_shard(model, sharding_strategy="optim_grads_params")
+    except TypeError as error:
+        return str(error)
+    return None
+
+
+def test_a_dtensor_parameter_is_refused_on_every_rank():
+    for message in run_distributed(dtensor_param_worker, 2):
+        assert message is not None and message.startswith(
+            "module: parameter '0.weight' is already a DTensor (placements (Shard(dim=0),)"), message

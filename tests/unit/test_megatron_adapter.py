@@ -270,7 +270,6 @@ def _launcher_checks(world_size):
                        and training.get_megatron_optimizer is original_get_optimizer)
     out["default_strategy"] = pretrain_gpt.parse_args(LAUNCHER_ARGS).data_parallel_sharding_strategy
     out["no_grad_accum_fusion"] = pretrain_gpt.parse_args(LAUNCHER_ARGS).gradient_accumulation_fusion is False
-    out["use_megatron_fsdp"] = _expect_error(lambda: pretrain_gpt.parse_args(LAUNCHER_ARGS + ["--use-megatron-fsdp"]))
     out["use_torch_fsdp2"] = _expect_error(lambda: pretrain_gpt.parse_args(LAUNCHER_ARGS + ["--use-torch-fsdp2"]))
     return out
 
@@ -546,7 +545,7 @@ def test_launcher_maps_strategy_flag_to_our_class(two_ranks):
     assert launcher["restored"]
     assert launcher["default_strategy"] == "optim_grads_params"    # Megatron's parser default
     assert launcher["no_grad_accum_fusion"]
-    assert "--use-megatron-fsdp" in launcher["use_megatron_fsdp"]
+    # --use-megatron-fsdp selects this package: tests/unit/test_megatron_fsdp_command_line.py
     assert "--use-torch-fsdp2" in launcher["use_torch_fsdp2"]
 
 

@@ -35,12 +35,12 @@ DATA_SEED = 500
 
 
 def _opt_config(strategy: str = "optim"):
-    """Megatron's optimizer config as the source run used it; for our ``no_shard``, without the
-    distributed optimizer (the settings table refuses it there: Megatron's DDP + distributed
-    optimizer is our ``optim``)."""
+    """Megatron's optimizer config as the source run used it, with the distributed optimizer (for
+    our strategies as Megatron-FSDP means it: no_shard keeps the optimizer state replicated)."""
     from tests.unit.test_megatron_adapter import LR_ADAM, _opt_config
 
-    return _opt_config("adam", LR_ADAM, use_distributed_optimizer=strategy != "no_shard")
+    del strategy
+    return _opt_config("adam", LR_ADAM, use_distributed_optimizer=True)
 
 
 def _megatron_save_fully_reshardable(model, optimizer, base: str, name: str, rank: int) -> str:

@@ -34,11 +34,12 @@ STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
 
 def _opt_config(strategy: str = "optim", bf16: bool = False):
-    """Adam as the distopt tests use it (no distributed optimizer for our no_shard); bf16: fp32 main
-    parameters and optimizer state."""
+    """Adam with the distributed optimizer, as a Megatron-FSDP run has it for every strategy; bf16:
+    fp32 main parameters and optimizer state."""
     from tests.unit.test_megatron_adapter import LR_ADAM, _opt_config
 
-    return _opt_config("adam", LR_ADAM, use_distributed_optimizer=strategy != "no_shard", bf16=bf16)
+    del strategy
+    return _opt_config("adam", LR_ADAM, use_distributed_optimizer=True, bf16=bf16)
 #: what Megatron-LM's save_checkpoint / load_checkpoint read from args for fsdp_dtensor
 ARGS = SimpleNamespace(ckpt_format="fsdp_dtensor", no_save_optim=False, swiglu=False, num_experts=None,
                        use_distributed_optimizer=True, dist_ckpt_optim_fully_reshardable=False, no_save_rng=True)
@@ -431,9 +432,17 @@ def test_launcher_refuses_an_fsdp_dtensor_directory_without_the_format_flag(mega
         assert "--auto-detect-ckpt-format" in message, message
 
 
-def test_launcher_refuses_saving_fsdp_dtensor():
+def test_launcher_refuses_saving_fsdp_dtensor_where_the_layout_cannot_hold_the_model():
+    """--save in fsdp_dtensor: dense GPT layers without --swiglu at tensor- and pipeline-parallel
+    size 1 (the launcher's save itself: tests/unit/test_megatron_fsdp_command_line.py)."""
     from examples.pretrain_gpt import check_launcher_args
 
-    with pytest.raises(ValueError, match="--ckpt-format fsdp_dtensor is read here, not written"):
-        check_launcher_args(SimpleNamespace(load_fsdp_dtensor=True, save="/ckpt", load="/ckpt",
-                                            ckpt_format="torch_dist", data_parallel_sharding_strategy="optim"))
+    args = dict(ckpt_format_fsdp_dtensor=True, save="/ckpt", load="/ckpt", ckpt_format="torch_dist",
+                data_parallel_sharding_strategy="optim")
+    check_launcher_args(SimpleNamespace(**args))
+    for flag, value in (("swiglu", True), ("num_experts", 4), ("tensor_model_parallel_size", 2),
+                        ("pipeline_model_parallel_size", 2)):
+        with pytest.raises(ValueError, match=r"--ckpt-format fsdp_dtensor --save writes dense GPT layers without "
+                                             r"--swiglu at tensor- and pipeline-parallel size 1, got --"):
+            check_launcher_args(SimpleNamespace(**args, **{flag: value}))
+    check_launcher_args(SimpleNamespace(**dict(args, save=None), swiglu=True))     # --load alone: refused there

@@ -36,7 +36,7 @@ def _opt_config(**kwargs):
                            use_distributed_optimizer=False, adam_eps=1e-6, clip_grad=0.0, **kwargs)
 
 
-def _build_ours(strategy):
+def _build_ours(strategy, layer_wise=False):
     from megatron.core.distributed import DistributedDataParallelConfig
 
     from megatron_fsdp_v2.megatron import FullyShardedDataParallel, get_optimizer
@@ -45,7 +45,8 @@ def _build_ours(strategy):
     model, config = build_tiny_gpt(1234, vocab=VOCAB, seq=SEQ, ffn_hidden_size=FFN)
     wrapped = FullyShardedDataParallel(config, DistributedDataParallelConfig(data_parallel_sharding_strategy=strategy),
                                        model)
-    optimizer = get_optimizer(_opt_config(), [wrapped])
+    # what Megatron-LM's validation makes of --optimizer muon --use-distributed-optimizer
+    optimizer = get_optimizer(_opt_config(use_layer_wise_distributed_optimizer=layer_wise), [wrapped])
     constant_param_scheduler(optimizer, LR, WD)
     return wrapped, config, optimizer
 
@@ -77,9 +78,10 @@ def _iterations(wrapped, config, optimizer, batches, nmb, iterations):
 
 
 def _train_ours(strategy, batches, nmb):
+    """(Two micro-batches: with use_layer_wise_distributed_optimizer, which the strategy honours.)"""
     from megatron_fsdp_v2.megatron.adapter import ORIGINAL_SHAPE_ATTR
 
-    wrapped, config, optimizer = _build_ours(strategy)
+    wrapped, config, optimizer = _build_ours(strategy, layer_wise=nmb > 1)
     losses, step_bytes = _iterations(wrapped, config, optimizer, batches, nmb, range(ITERS))
     muon = [leaf.optimizer for leaf in optimizer.chained_optimizers
             if type(leaf.optimizer).__name__.startswith("RowPieces")]
@@ -152,15 +154,14 @@ def test_megatron_muon_equals_megatron_ddp(two_ranks, nmb, strategy):
 
 
 @pytest.mark.parametrize("field,value,flag", [("muon_tp_mode", "duplicated", "--muon-tp-mode"),
-                                              ("muon_scalar_optimizer", "lion", "--muon-scalar-optimizer"),
-                                              ("use_layer_wise_distributed_optimizer", True,
-                                               "--use-distributed-optimizer (with muon)")])
+                                              ("muon_scalar_optimizer", "lion", "--muon-scalar-optimizer")])
 def test_megatron_muon_refuses_what_it_cannot_honour_naming_the_flag(field, value, flag):
     from megatron_fsdp_v2.megatron import check_optimizer_config
 
     with pytest.raises(ValueError, match=f"{field}={value!r} \\({flag.replace('(', '[(]').replace(')', '[)]')}\\)"):
         check_optimizer_config({"optimizer": "muon", field: value}, "optim")
     check_optimizer_config({"optimizer": "muon"}, "optim")      # Megatron's defaults: accepted
+    check_optimizer_config({"optimizer": "muon", "use_layer_wise_distributed_optimizer": True}, "optim")
 
 
 def test_megatron_muon_checkpoint_resumes_bitwise_in_another_strategy(tmp_path):

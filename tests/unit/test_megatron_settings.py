@@ -99,15 +99,14 @@ def test_refusals_name_the_field_its_value_and_flag():
     assert "delay_wgrad_compute=True (--delay-wgrad-compute)" in _refusal(delay_wgrad_compute=True)
     assert ("megatron_fsdp_use_decoupled_grad=True (set by --use-precision-aware-optimizer)"
             in _refusal(megatron_fsdp_use_decoupled_grad=True))
-    zero1 = _refusal(use_distributed_optimizer=True, data_parallel_sharding_strategy="no_shard")
-    assert "use_distributed_optimizer=True (--use-distributed-optimizer)" in zero1
-    assert "use data_parallel_sharding_strategy='optim'" in zero1
     assert "megatron_fsdp_main_grads_dtype=torch.bfloat16 (--megatron-fsdp-main-grads-dtype): it must equal " \
            "megatron_fsdp_main_params_dtype (torch.float32)" in _refusal(megatron_fsdp_main_grads_dtype=torch.bfloat16)
     both = _refusal(check_for_large_grads=True, nccl_ub=True)
     assert "check_for_large_grads=True" in both and "nccl_ub=True (--use-nccl-ub)" in both
-    # accepted: the strategies that shard the optimizer state, bf16 main grads with bf16 main weights
-    _tables().check_ddp_config(_ddp(use_distributed_optimizer=True, data_parallel_sharding_strategy="optim"), MODEL)
+    # accepted: the distributed optimizer with every strategy (Megatron-FSDP's validation forces it), bf16 main
+    # grads with bf16 main weights
+    for strategy in ("no_shard", "optim", "optim_grads", "optim_grads_params"):
+        _tables().check_ddp_config(_ddp(use_distributed_optimizer=True, data_parallel_sharding_strategy=strategy), MODEL)
     bf16 = types.SimpleNamespace(**{**vars(MODEL), "bf16": True})
     _tables().check_ddp_config(_ddp(megatron_fsdp_main_params_dtype=None,
                                     megatron_fsdp_main_grads_dtype=torch.bfloat16), bf16)
@@ -123,10 +122,8 @@ def test_offload_is_honoured_and_precision_aware_optimizer_without_it_is_refused
     with pytest.raises(ValueError, match=r"optimizer='soap' \(--optimizer\)"):
         settings.check_optimizer_config({"optimizer": "soap"}, "optim")
     settings.check_optimizer_config({"optimizer": "muon"}, "optim")       # honoured (megatron/muon.py)
-    with pytest.raises(ValueError, match=r"use_distributed_optimizer=True \(--use-distributed-optimizer\): the "
-                                         r"'no_shard' model"):
-        settings.check_optimizer_config({"use_distributed_optimizer": True}, "no_shard")
-    settings.check_optimizer_config({"use_distributed_optimizer": True}, "optim_grads")
+    for strategy in ("no_shard", "optim_grads"):       # as Megatron-FSDP: the strategy decides what is sharded
+        settings.check_optimizer_config({"use_distributed_optimizer": True}, strategy)
 
 
 # ---------------------------------------------------------------- no effect: warns once
@@ -256,8 +253,9 @@ def _launcher(world_size):
     out["offload_args"] = (offload.optimizer_cpu_offload, offload.optimizer_offload_fraction,
                            offload.use_precision_aware_optimizer,
                            training.get_megatron_ddp_config(offload).megatron_fsdp_use_decoupled_grad)
-    out["no_shard_distopt"] = _expect_error(lambda: pretrain_gpt.parse_args(
-        LAUNCHER_ARGS + ["--use-distributed-optimizer", "--data-parallel-sharding-strategy", "no_shard"]))
+    no_shard = pretrain_gpt.parse_args(
+        LAUNCHER_ARGS + ["--use-distributed-optimizer", "--data-parallel-sharding-strategy", "no_shard"])
+    out["no_shard_distopt"] = (no_shard.use_distributed_optimizer, no_shard.data_parallel_sharding_strategy)
     return out
 
 
@@ -329,4 +327,4 @@ def test_launcher_takes_offload_refuses_precision_aware_alone_and_is_quiet_at_de
     # offload parses; the precision-aware flag Megatron demands with it is cleared, so the wrapper's
     # ddp_config asks for no decoupled gradients
     assert out["offload_args"] == (True, 0.5, False, False)
-    assert "use_distributed_optimizer=True (--use-distributed-optimizer)" in out["no_shard_distopt"]
+    assert out["no_shard_distopt"] == (True, "no_shard")      # Megatron-FSDP's no_shard: replicated optimizer state

@@ -6,7 +6,6 @@ One distributed run per case family collects results for every strategy; the tes
 from __future__ import annotations
 
 import contextlib
-import os
 import traceback
 
 import pytest
@@ -15,7 +14,6 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
 from megatron_fsdp_v2 import STRATEGY_NAMES, MixedPrecisionPolicy, fully_shard
-from megatron_fsdp_v2.comm import CHECK_SEQUENCE_ENV
 
 from .dist_utils import run_distributed
 from .models import Block, UnevenNet, make_batches
@@ -60,44 +58,7 @@ def test_settings_that_differ_between_ranks_raise_on_every_rank_naming_them():
         assert out["agree"] is None
 
 
-# ---------------------------------------------------------------- rank-dependent control flow (debug mode)
-class SkippingNet(UnevenNet):
-    def forward(self, x):
-        h = self.proj(x)
-        for index, block in enumerate(self.blocks):
-            if index == 1 and self.skip_middle:
-                continue
-            h = block(h)
-        return self.head(h) + self.offset
-
-
-def control_flow_worker(rank, world_size):
-    os.environ[CHECK_SEQUENCE_ENV] = "1"
-    try:
-        torch.manual_seed(0)
-        model = fully_shard(SkippingNet(), sharding_strategy="optim_grads_params", unit_modules=[Block])
-        model.skip_middle = rank == 1
-        x, y = make_batches(0, rank, 1)[0]
-        return _error_of(lambda: loss_fn(model(x), y).backward())
-    finally:
-        del os.environ[CHECK_SEQUENCE_ENV]
-
-
-def test_debug_mode_names_the_first_unit_where_ranks_differ():
-    for message in run_distributed(control_flow_worker, 2):
-        assert message is not None and "data-parallel ranks issue different collectives at collective #" in message
-        assert "rank 0: all_gather of" in message and "for weights of blocks.1/float32/grad" in message
-        assert "rank 1: all_gather of" in message and "for weights of blocks.2/float32/grad" in message
-        assert CHECK_SEQUENCE_ENV in message
-
-
-def test_debug_mode_costs_nothing_when_off():
-    from megatron_fsdp_v2 import comm as comm_module
-
-    assert os.environ.get(CHECK_SEQUENCE_ENV) is None
-    source = open(comm_module.__file__).read()
-    # each collective checks one boolean and nothing else when the variable is unset
-    assert source.count("if self.check_sequence:") == 4
+# rank-dependent control flow (a unit skipped on one rank): tests/unit/test_rank_divergence.py
 
 
 # ---------------------------------------------------------------- replicas that start apart

@@ -34,7 +34,7 @@ $(VENV)/.installed: setup.py
 	test -x $(PY) || $(PYTHON312) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "torch==$(TORCH_VERSION)"
-	$(PY) -m pip install -q -e ".[megatron,test]"
+	$(PY) -m pip install -q -e ".[megatron,test,muon]"
 	touch $@
 
 venv: $(VENV)/.installed

@@ -18,5 +18,7 @@ setup(
         "bench": ["matplotlib", "transformers"],
         # torchao float8 training (benchmarks/bench_llama.py's fp8 systems, issue 47)
         "float8": ["torchao>=0.18"],
+        # Megatron's --optimizer muon (megatron_fsdp_v2/megatron/muon.py); megatron_fsdp_v2.optim.Muon needs torch only
+        "muon": ["emerging-optimizers==0.3.0"],
     },
 )

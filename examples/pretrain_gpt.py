@@ -87,7 +87,6 @@ LAUNCHER_DEFAULTS = {"tokenizer_type": "NullTokenizer"}
 
 _FORBIDDEN_FLAGS = {
     "use_torch_fsdp2": "--use-torch-fsdp2 selects torch FSDP2; this launcher uses megatron_fsdp_v2",
-    "use_layer_wise_distributed_optimizer": "--use-layer-wise-distributed-optimizer is not supported",
 }
 
 

@@ -19,7 +19,10 @@ parameters are pieces):
    ``start_param_sync()`` rebuild the compute weights; fp16 loss scaling works.
    ``sgd``: ``DistributedOptimizer`` accepts only Adam-like inner optimizers, so SGD gets
    ``FP32Optimizer`` (our main weights are fp32 already); the engine's optimizer-step hook then
-   rebuilds the compute weights.
+   rebuilds the compute weights. ``muon``: Megatron's emerging-optimizer path as for its own DDP
+   (FP32Optimizer leaves: its Muon for the matrices, Adam for the rest), the Muon leaf stepping row
+   pieces with each matrix orthogonalized whole on one rank (muon.py, [Note: Megatron's Muon on
+   row pieces]).
 3. **The grad-norm group.** Gradient norms (clipping, logging) are summed over
    ``grad_stats_parallel_group``. Sharded strategies: each rank holds a disjoint shard, so the sum
    runs over the data-parallel group; ``no_shard``: grads are replicated, so it runs over the
@@ -73,6 +76,7 @@ from .adapter import ORIGINAL_SHAPE_ATTR, FullyShardedDataParallel
 from .wrap_settings import offload_policy
 from .dist_checkpoint import install_optimizer_checkpointing
 from .model_parallel import is_expert_parameter
+from .muon import distribute_orthogonalized, require_emerging_optimizers
 from .settings import check_optimizer_config
 
 
@@ -196,6 +200,9 @@ def get_optimizer(
         config = dataclasses.replace(config, use_distributed_optimizer=True)
     else:
         config = dataclasses.replace(config, use_distributed_optimizer=False, bf16=False, fp16=False)
+    if config.optimizer == "muon":       # our rows replace Megatron's layer-wise sharding (settings.py)
+        require_emerging_optimizers()
+        config = dataclasses.replace(config, use_layer_wise_distributed_optimizer=False)
 
     optimizer = get_megatron_optimizer(config, chunks, config_overrides=config_overrides,
                                        use_gloo_process_groups=use_gloo_process_groups,
@@ -203,6 +210,8 @@ def get_optimizer(
                                        dump_param_to_param_group_map=dump_param_to_param_group_map)
     if offload is not None and config.optimizer == "adam":
         _step_on_each_device(optimizer, config)
+    if config.optimizer == "muon":
+        distribute_orthogonalized(optimizer, chunks, _leaf_optimizers(optimizer))
     if chunks[0].strategy.optim_sharded:
         # Disjoint shards: the squared norms add up over the data-parallel (with context-parallel)
         # group and the model-parallel group, i.e. over Megatron's distributed-optimizer instance

@@ -270,8 +270,15 @@ DDP_SETTINGS: Dict[str, Setting] = {s.field: s for s in (
 
 
 # ---------------------------------------------------------------- OptimizerConfig
-def _not_adam_or_sgd(value, context) -> bool:
-    return value not in ("adam", "sgd")
+def _not_adam_sgd_or_muon(value, context) -> bool:
+    return value not in ("adam", "sgd", "muon")
+
+
+def _muon_only(values: tuple):
+    """Refused when optimizer='muon' and the value is not one of ``values``."""
+    def when(value, context) -> bool:
+        return getattr(context.get("optimizer"), "optimizer", "adam") == "muon" and value not in values
+    return when
 
 
 def _clipping_low_precision_grads(value, context) -> Union[bool, str]:
@@ -290,6 +297,8 @@ def _fp16_with_sgd(value, context) -> bool:
 _MEGATRON = "honoured: Megatron's optimizer reads it as for its own DDP"
 _SCALER = "honoured: Megatron's loss scaler (fp16 with optimizer='adam')"
 _OTHER_OPTIMIZERS = "honoured: read only by optimizer='{}', which is refused here (Megatron ignores it for adam and sgd too)"
+_MUON = ("honoured: Megatron's Muon reads it (optimizer='muon'; each matrix is orthogonalized whole on its owner "
+         "rank, megatron/muon.py)")
 
 
 def _read_only_by(optimizer: str, fields: str, flags: Mapping[str, Optional[str]]) -> List[Setting]:
@@ -328,17 +337,27 @@ OPTIMIZER_SETTINGS: Dict[str, Setting] = {s.field: s for s in (
                 "the main weights' dtype is ddp_config.megatron_fsdp_main_params_dtype; Adam keeps its state in it")
       for name, flag in (("main_grads_dtype", "--main-grads-dtype"), ("main_params_dtype", "--main-params-dtype"),
                          ("exp_avg_dtype", "--exp-avg-dtype"), ("exp_avg_sq_dtype", "--exp-avg-sq-dtype"))),
-    _refused("optimizer", "--optimizer", "honoured for 'adam' and 'sgd'; refused otherwise",
-             "only 'adam' and 'sgd' step flat parameter shards (layer-wise optimizers need whole matrices)",
-             when=_not_adam_or_sgd),
+    _refused("optimizer", "--optimizer", "honoured for 'adam', 'sgd' and 'muon' (Megatron's Muon, each matrix "
+                                         "orthogonalized whole on one data-parallel rank: megatron/muon.py); "
+                                         "refused otherwise",
+             "the other emerging optimizers are not wired to row-sharded parameters",
+             when=_not_adam_sgd_or_muon),
     *(_honoured(name, "--" + name.replace("_", "-"), _SCALER)
       for name in ("loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis")),
     *(_honoured(name, flag, _MEGATRON) for name, flag in (
         ("adam_beta1", "--adam-beta1"), ("adam_beta2", "--adam-beta2"), ("adam_eps", "--adam-eps"),
         ("decoupled_weight_decay", None), ("sgd_momentum", "--sgd-momentum"))),
-    *_read_only_by("muon", "muon_momentum muon_split_qkv muon_nesterov muon_scale_mode muon_fp32_matmul_prec "
-                           "muon_coefficient_type muon_num_ns_steps muon_tp_mode muon_extra_scale_factor "
-                           "muon_scalar_optimizer", _MUON_FLAGS),
+    *(_honoured(name, _MUON_FLAGS[name], _MUON) for name in (
+        "muon_momentum muon_split_qkv muon_nesterov muon_scale_mode muon_fp32_matmul_prec muon_coefficient_type "
+        "muon_num_ns_steps muon_extra_scale_factor").split()),
+    _refused("muon_tp_mode", "--muon-tp-mode", "honoured: 'blockwise' (Megatron's default); refused otherwise",
+             "each tensor-parallel block is orthogonalized whole on one data-parallel rank; the 'duplicated' and "
+             "'distributed' modes would run tensor-parallel collectives on that rank alone",
+             when=_muon_only(("blockwise",))),
+    _refused("muon_scalar_optimizer", "--muon-scalar-optimizer", "honoured: 'adam' (Megatron's default); refused "
+                                                                "otherwise",
+             "the non-matrix parameters step with Megatron's Adam; Lion is not wired here",
+             when=_muon_only(("adam",))),
     *_read_only_by("lion", "lion_beta1 lion_beta2", _MUON_FLAGS),
     *_read_only_by("soap", "soap_shampoo_beta soap_precondition_frequency soap_use_kl_shampoo", {}),
     *_read_only_by("adaptive_muon", "adaptive_muon_moment2_method adaptive_muon_beta2 adaptive_muon_eps", {}),
@@ -347,8 +366,11 @@ OPTIMIZER_SETTINGS: Dict[str, Setting] = {s.field: s for s in (
               "strategy; False for sgd)",
               "with 'no_shard' the DistributedOptimizer steps replicated main weights and sums gradient norms over "
               "the model-parallel group only, as for Megatron-FSDP"),
-    _refused("use_layer_wise_distributed_optimizer", "--use-distributed-optimizer (with muon)", "refused when True",
-             "layer-wise optimizers need whole matrices"),
+    _honoured("use_layer_wise_distributed_optimizer", "--use-distributed-optimizer (with muon)",
+              "honoured by the strategy, as use_distributed_optimizer: Megatron-LM sets it for --optimizer muon "
+              "with --use-distributed-optimizer; Muon's momentum is sharded like its parameter (optim, "
+              "optim_grads, optim_grads_params) and each matrix is gathered to one owner rank per step, so "
+              "get_optimizer builds Megatron's Muon without its layer-wise wrapper (megatron/muon.py)"),
     _honoured("overlap_param_gather", "--overlap-param-gather",
               "honoured: Megatron's optimizer reads it only with reuse_grad_buf_for_mxfp8_param_ag (refused); "
               "see ddp_config.overlap_param_gather"),

@@ -50,7 +50,6 @@ class ExtensionWeights:
     outputs: list              # per parameter: the tensors its gathers land in (full, padded)
     inner: list                # per parameter: the tensors post returned as its storage
     compute_params: list       # per parameter: the nn.Parameter forward computes with (None before the first)
-    gathered: bool             # whether the storages hold this step's weights
 
     def __init__(self, classes: list, owners: list, mesh, mp_policy) -> None:
         self.classes = classes
@@ -60,7 +59,6 @@ class ExtensionWeights:
         self.outputs = [None] * len(classes)
         self.inner = [[] for _ in classes]
         self.compute_params = [None] * len(classes)
-        self.gathered = False
 
     @classmethod
     def for_entries(cls, root: nn.Module, entries: tuple, mesh, dtypes) -> "ExtensionWeights":
@@ -76,8 +74,7 @@ class ExtensionWeights:
 
     # ------------------------------------------------------------------ pre
     def _pre(self, group, index: int) -> tuple[list, Any]:
-        main = group.main_params[index]
-        local = main._local_tensor if isinstance(main, DTensor) else main
+        local = _protocol_tensor(group, index)
         shape = torch.Size(group.shapes[index])
         with torch.no_grad():
             outputs, metadata = pre_all_gather(local, self.mesh, shape, _contiguous_stride(shape),
@@ -98,7 +95,6 @@ class ExtensionWeights:
             for index, (outputs, metadata) in enumerate(pres):
                 self._land(index, outputs)
                 self._post(group, index, metadata)
-            self.gathered = True
             return PendingCollective(None, lambda: None)
         return self._gather(group, pres, async_op)
 
@@ -122,7 +118,6 @@ class ExtensionWeights:
             group.allocator.free(key)
             for index, (_, metadata) in enumerate(pres):
                 self._post(group, index, metadata)
-            self.gathered = True
         if not async_op:
             copy_out()
             return PendingCollective(None, lambda: None)
@@ -150,8 +145,7 @@ class ExtensionWeights:
             _alloc_storage(tensor)
 
     def _post(self, group, index: int, metadata) -> None:
-        main = group.main_params[index]
-        local = main._local_tensor if isinstance(main, DTensor) else main
+        local = _protocol_tensor(group, index)
         outputs = tuple(self.outputs[index])
         with torch.no_grad():
             if self.compute_params[index] is not None:
@@ -168,18 +162,12 @@ class ExtensionWeights:
         for outputs, inner in zip(self.outputs, self.inner):
             for tensor in (outputs or []) + inner:
                 tensor.untyped_storage().resize_(0)
-        self.gathered = False
 
-    def storage_bytes(self) -> int:
-        """Bytes the gathered storages hold now (a compute weight's size in its own dtype)."""
-        seen, total = set(), 0
-        for outputs, inner in zip(self.outputs, self.inner):
-            for tensor in (outputs or []) + inner:
-                storage = tensor.untyped_storage()
-                if storage.data_ptr() not in seen:
-                    seen.add(storage.data_ptr())
-                    total += storage.nbytes()
-        return total
+
+def _protocol_tensor(group, index: int) -> torch.Tensor:
+    """Parameter ``index``'s main piece in its own class: what pre and post are called on."""
+    main = group.main_params[index]
+    return main._local_tensor if isinstance(main, DTensor) else main
 
 
 def _tensors_in(metadata) -> list:

@@ -13,7 +13,7 @@ every (saved strategy S, loaded strategy T) pair of ``--pairs``, with dropout of
   largest difference of any of them to the reference over H+1..end is the pair's *noise*;
 * state check: T@M loads the reference's iteration H (``--load DIR --ckpt-step H``), trains no
   iteration (``--train-iters H``) and saves right away; the saved model and optimizer tensors
-  (fp32 main weights, ``exp_avg``, ``exp_avg_sq``, ``step``, each read back as one global tensor,
+  (fp32 main weights, ``exp_avg``, ``exp_avg_sq``, each read back as one global tensor,
   so independent of the sharding) and the optimizer's common state must equal the reference's
   iteration-H checkpoint *bitwise*;
 * resume: T@M loads iteration H and trains to ``--iters``;

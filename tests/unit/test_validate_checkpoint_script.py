@@ -67,24 +67,27 @@ def test_state_resharded_dp2_to_dp1_reads_back_bitwise_equal(checkpoints):
     assert max(chunks.values()) >= 2                  # dp 2 wrote tensors in pieces
     want, got = script.read_checkpoint(saved), script.read_checkpoint(resaved)
     keys = sorted(want.tensors)
-    assert any(k.endswith(".exp_avg") for k in keys) and any(k.endswith(".exp_avg_sq") for k in keys)
-    assert any(k.endswith(".step") for k in keys) and any(not k.startswith("optimizer.") for k in keys)
-    assert want.common["optimizer"]["param_groups"]
+    # Megatron's fully_reshardable layout (our default save): optimizer.state.<state>.<param name>
+    assert want.common["optimizer"]["param_state_sharding_type"] == "fully_reshardable"
+    assert any(k.startswith("optimizer.state.exp_avg.") for k in keys)
+    assert any(k.startswith("optimizer.state.exp_avg_sq.") for k in keys)
+    assert any(k.startswith("optimizer.state.param.") for k in keys) and any(not k.startswith("optimizer.") for k in keys)
     result = script.compare_states(want, got)
     assert result.equal, result.first_difference
     assert result.first_difference is None
     assert result.tensors == len(keys)
     assert result.elements == sum(t.numel() for t in want.tensors.values()) > 0
     assert result.fingerprints[0] == result.fingerprints[1] == script.fingerprint(got)
-    # every step is 2 (two Adam steps were taken before saving)
-    assert all(float(t.max()) == 2.0 for k, t in got.tensors.items() if k.endswith(".step"))
+    # every group's step is 2 (two Adam steps were taken before saving); the layout keeps it in the common state
+    groups = got.common["optimizer"]["optimizer"]["param_groups"]
+    assert len(groups) == 2 and [g["step"] for g in groups] == [2.0, 2.0]
 
 
 def test_perturbed_state_names_the_tensor(checkpoints):
     script = _script()
     saved, resaved = checkpoints
     want, got = script.read_checkpoint(saved), script.read_checkpoint(resaved)
-    key = sorted(k for k in got.tensors if k.endswith(".exp_avg_sq"))[-1]
+    key = sorted(k for k in got.tensors if k.startswith("optimizer.state.exp_avg_sq."))[-1]
     changed = dict(got.tensors)
     changed[key] = got.tensors[key].clone()
     flat = changed[key].view(-1)
@@ -106,13 +109,13 @@ def test_perturbed_state_names_the_tensor(checkpoints):
     result = script.compare_states(want, script.CheckpointState(missing, got.common))
     assert not result.equal and key in result.first_difference and "missing" in result.first_difference
 
-    common = {"optimizer": dict(got.common["optimizer"]), "iteration": got.common["iteration"]}
-    groups = dict(common["optimizer"]["param_groups"])
-    lr_key = sorted(k for k in groups if k.endswith(".lr"))[0]
-    groups[lr_key] = groups[lr_key] * 2
-    common["optimizer"]["param_groups"] = groups
+    groups = [dict(g) for g in got.common["optimizer"]["optimizer"]["param_groups"]]
+    groups[1]["lr"] *= 2
+    common = {"optimizer": {**got.common["optimizer"], "optimizer": {"param_groups": groups}},
+              "iteration": got.common["iteration"]}
     result = script.compare_states(want, script.CheckpointState(got.tensors, common))
-    assert not result.equal and result.first_difference.startswith(f"common.optimizer.param_groups.{lr_key}: ")
+    assert not result.equal
+    assert result.first_difference == "common.optimizer.optimizer.param_groups[1].lr: 0.01 != 0.02"
 
 
 def test_loss_tolerance_arithmetic():

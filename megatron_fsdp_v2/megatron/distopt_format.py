@@ -58,14 +58,17 @@ DP_ZERO = "dp_zero_gather_scatter"
 #: The Megatron-LM option that writes a distributed-optimizer checkpoint every layout can load.
 RESHARDABLE_OPTION = "--dist-ckpt-optim-fully-reshardable"
 MEGATRON_TYPES = (DP_RESHARDABLE, FULLY_RESHARDABLE)
-_BUCKET_KEY = re.compile(r"^optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.+)\.bucket_idx_(\d+)"
+# Megatron's ChainedOptimizer (e.g. Muon for matrices + Adam for the rest) prefixes each leaf's keys
+# with ``chained_<i>.``; the layout is read the same behind it.
+_CHAINED = re.compile(r"^chained_\d+\.")
+_BUCKET_KEY = re.compile(r"^(?:chained_\d+\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.+)\.bucket_idx_(\d+)"
                          r"\.([A-Za-z_]+)$")
 
 
 def sharding_type_in_keys(keys) -> Optional[str]:
     """The distributed-optimizer sharding type a checkpoint's tensor keys show, ``None`` for ours
     (``optimizer.state.<Megatron key>.<state key>``) or a checkpoint without optimizer state."""
-    keys = list(keys)
+    keys = [_CHAINED.sub("", k) for k in keys]
     if any(_BUCKET_KEY.match(k) for k in keys):
         return DP_RESHARDABLE
     if any(k.startswith("optimizer.state.param.") for k in keys):       # the fp32 main weights, model space

@@ -48,7 +48,7 @@ import threading
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-__all__ = ["OUR_MESH_PREFIX", "install_dtensor_op_handlers"]
+__all__ = ["OUR_MESH_PREFIX", "default_path", "install_dtensor_op_handlers", "on_our_mesh"]
 
 OUR_MESH_PREFIX = "megatron_fsdp_v2_dp_"      # row_sharded.mesh_of_group names its meshes so
 
@@ -109,7 +109,7 @@ def _fill_for(op, args, kwargs):
     return _norm_identity(ord_value)
 
 
-def _default_path(op, args, kwargs):
+def default_path(op, args, kwargs):
     """DTensor's own path for ``op``: the handler steps aside for the call."""
     with _LOCK:
         handler = DTensor._op_dispatcher._custom_op_handlers.pop(op)
@@ -126,10 +126,10 @@ def _reduction_handler(op, args, kwargs):
             args = ([_filled(t, fill) for t in args[0]],) + tuple(args[1:])
         else:
             args = (_filled(args[0], fill, _reduced_dims(op, args, kwargs)),) + tuple(args[1:])
-    return _default_path(op, args, kwargs)
+    return default_path(op, args, kwargs)
 
 
-def _on_our_mesh(tensor: DTensor) -> bool:
+def on_our_mesh(tensor: DTensor) -> bool:
     names = tensor.device_mesh.mesh_dim_names or ()
     return any(name.startswith(OUR_MESH_PREFIX) for name in names)
 
@@ -137,10 +137,10 @@ def _on_our_mesh(tensor: DTensor) -> bool:
 def _scalar_handler(op, args, kwargs):
     """[Note: a scalar of a partial result]"""
     tensor = args[0]
-    if _on_our_mesh(tensor) and any(isinstance(p, Partial) for p in tensor.placements):
+    if on_our_mesh(tensor) and any(isinstance(p, Partial) for p in tensor.placements):
         whole = tensor.redistribute(tensor.device_mesh, [Replicate()] * tensor.device_mesh.ndim)
         return whole.to_local().item()
-    return _default_path(op, args, kwargs)
+    return default_path(op, args, kwargs)
 
 
 def _local_pieces(value):
@@ -156,7 +156,7 @@ def _fused_sgd_handler(op, args, kwargs):
     tensors = [t for group in args[:3] for t in group if isinstance(t, DTensor)]
     if tensors and len({(t.device_mesh, tuple(t.placements)) for t in tensors}) == 1:
         return op(*_local_pieces(args), **{k: _local_pieces(v) for k, v in kwargs.items()})
-    return _default_path(op, args, kwargs)
+    return default_path(op, args, kwargs)
 
 
 _REDUCTIONS = (_aten.max.default, _aten.min.default, _aten.amax.default, _aten.amin.default,

@@ -43,6 +43,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .comm import all_gather_single
 from .dtensor_pickling import install_dtensor_view_pickling
+from .dtensor_indexed_writes import install_indexed_write_handlers
 from .dtensor_op_handlers import OUR_MESH_PREFIX, install_dtensor_op_handlers
 
 __all__ = ["RowShardedTensor", "chunk_splits", "dispatch_reaches_subclasses", "gather_rows", "local_piece", "mesh_of_group", "row_sharded",
@@ -480,6 +481,7 @@ def _register_foreach_support() -> None:
 
 _register_foreach_support()
 install_dtensor_op_handlers()         # [Note: reductions over an empty piece], [Note: a scalar of a partial result]
+install_indexed_write_handlers()      # [Note: an index along the sharded dimension is a copy]
 install_dtensor_view_pickling()       # torch.save of plain DTensor views ([Note: pickling a DTensor view])
 
 # ``torch.load`` with its default ``weights_only=True`` rebuilds a ``torch.save``d parameter or state

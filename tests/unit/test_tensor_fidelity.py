@@ -135,12 +135,22 @@ def writes_worker(rank, world):
             p.copy_(distribute_tensor(full, p.device_mesh, p.placements))   # each rank copies its rows
             p.mul_(2)                                  # elementwise: on every rank's rows
         out[(strategy, "after_writes")] = model.full_state_dict()["target"]
-        for name, write in (("setitem", lambda: p.__setitem__(1, 7.0)), ("plain_copy", lambda: p.copy_(full))):
+        writes = {"setitem": lambda: p.__setitem__(1, 7.0), "slice_setitem": lambda: p.__setitem__(slice(0, 2), 1.0),
+                  "row_zero_": lambda: p[1].zero_(), "row_add_": lambda: p[-1].add_(1.0),
+                  "element_setitem": lambda: p.__setitem__((1, 2), 4.0),
+                  "plain_copy": lambda: p.copy_(full)}
+        for name, write in writes.items():
             try:
                 with torch.no_grad():
                     write()
             except (RuntimeError, NotImplementedError) as err:
                 out[(strategy, name)] = f"{type(err).__name__}: {err}"
+        out[(strategy, "after_refused_writes")] = model.full_state_dict()["target"]
+        with torch.no_grad():
+            out[(strategy, "row_read")] = p[1].full_tensor()
+            own = p[1].clone()
+            own.zero_()                                 # a clone is the caller's own tensor
+            out[(strategy, "clone_zeroed")] = own.full_tensor()
         try:
             p[0] = 1.0                                  # grad mode on: torch's leaf error, also here
         except RuntimeError as err:
@@ -149,19 +159,26 @@ def writes_worker(rank, world):
 
 
 def test_writes_reach_every_ranks_rows_and_other_writes_refuse_on_every_rank():
-    """Writes go through DTensor's verbs as on FSDP2's parameters; a write DTensor has no rule for
-    (an indexed assignment, a copy from a plain tensor) raises the same error on every rank, before
-    any collective, so no rank waits alone."""
+    """Writes go through DTensor's verbs as on FSDP2's parameters. A write into an index along the
+    sharded dimension (DTensor's gathered copy: lost on FSDP2's parameters, silently on torch 2.15 for
+    ``p[1] = 7.0`` and on every torch for ``p[1].zero_()``) and a copy from a plain tensor raise the
+    same error on every rank, before any collective, so no rank waits alone; the parameter is
+    unchanged and reads and clones of its rows are right."""
     per_rank = run_distributed(writes_worker, 3)
     for out in per_rank:
         for strategy in SHARDED:
             got = out[(strategy, "after_writes")]
             assert torch.equal(got[1], torch.full((5,), 14.0)), strategy
-            assert "fill_" in out[(strategy, "setitem")], out[(strategy, "setitem")]
+            for name in ("setitem", "slice_setitem", "row_zero_", "row_add_", "element_setitem"):
+                assert "writing into an indexed piece of a sharded parameter" in out[(strategy, name)], (strategy, name)
+            assert "made by an index along dimension 0" in out[(strategy, "setitem")]
             assert "mixed torch.Tensor and DTensor" in out[(strategy, "plain_copy")], out[(strategy, "plain_copy")]
+            assert torch.equal(out[(strategy, "after_refused_writes")], got)     # nothing half-written
+            assert torch.equal(out[(strategy, "row_read")], got[1])
+            assert torch.equal(out[(strategy, "clone_zeroed")], torch.zeros(5))
             assert "in-place operation" in out[(strategy, "leaf")]
     for key in per_rank[0]:
-        if key[1] in ("setitem", "plain_copy"):
+        if key[1] in ("setitem", "slice_setitem", "row_zero_", "row_add_", "element_setitem", "plain_copy"):
             assert len({out[key] for out in per_rank}) == 1, key
 
 

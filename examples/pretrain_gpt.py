@@ -13,7 +13,8 @@ Usage (GPUs, torchrun; mock data, ``NullTokenizer``), from the repository root w
 Every argument is Megatron-LM's (``megatron.training.arguments``), parsed and validated by
 Megatron. ``--data-parallel-sharding-strategy {no_shard,optim,optim_grads,optim_grads_params,auto}``
 selects *our* strategy (Megatron's parser default is ``optim_grads_params``; ``auto``: see
-``parse_args``, with the launcher's ``--activation-reserve-gib G``).
+``parse_args``, with the launcher's ``--activation-reserve-gib G``). Megatron's warnings show once
+per process each (``quiet_repeated_warnings``); the launcher's ``--verbose`` keeps Megatron's default.
 
 A Megatron-FSDP command line runs unchanged: ``--use-megatron-fsdp`` selects this package (the
 Megatron-FSDP being swapped in). Megatron's validation runs with it, as in Megatron-LM: it forces
@@ -67,7 +68,9 @@ import argparse
 import contextlib
 import functools
 import logging
+import re
 import sys
+import warnings
 from typing import List, Optional
 
 import torch
@@ -192,6 +195,74 @@ def take_fsdp_dtensor_format(argv: List[str]) -> tuple:
     return out, asked
 
 
+_VERBOSE_FLAG = "--verbose"
+#: Where Megatron's warnings come from (the issuing file's path), which ``quiet_repeated_warnings`` shows once each.
+_MEGATRON_FILES = re.compile(r"[/\\]megatron[/\\](core|training)[/\\]")
+#: Megatron's loggers whose warnings repeat: per model built ("GPTModel IS DEPRECATED"), per RNG fork
+#: ("CPU RNG state changed within GPU RNG context"), per dataset split (mock data's "Unable to save").
+REPEATING_MEGATRON_LOGGERS = ("megatron.core.models.gpt.gpt_model", "megatron.core.tensor_parallel.random",
+                              "megatron.core.datasets.gpt_dataset", "megatron.core.dist_checkpointing.strategies.torch")
+
+
+def take_verbose_flag(argv: List[str]) -> tuple:
+    """``(argv for Megatron, verbose?)``: the launcher's ``--verbose`` removed (Megatron's parser has
+    no such flag): keep every warning Megatron repeats instead of each once."""
+    for token in argv:
+        if token.startswith(_VERBOSE_FLAG + "="):
+            raise ValueError(f"examples/pretrain_gpt.py: {_VERBOSE_FLAG} takes no value, got {token!r}; "
+                             f"allowed: {_VERBOSE_FLAG} alone.")
+    return [t for t in argv if t != _VERBOSE_FLAG], _VERBOSE_FLAG in argv
+
+
+class OncePerMessage(logging.Filter):
+    """Lets each message through once per process: Megatron logs some per model chunk or per call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if message in self.seen:
+            return False
+        self.seen.add(message)
+        return True
+
+
+def quiet_repeated_warnings() -> None:
+    """Each of Megatron's warnings once per process. Python's default shows a message once per line
+    that issues it (``"once"`` filters: once per module), and Megatron issues the same text from
+    several modules ("Apex is not installed. Falling back to Torch Norm") or logs it again per model
+    built; other packages' warnings and the warning filters are left as they are. Idempotent."""
+    show = warnings.showwarning
+    if not getattr(show, "once_per_megatron_message", False):
+        shown = set()
+
+        def show_once(message, category, filename, lineno, file=None, line=None):
+            key = (str(message), category)
+            if _MEGATRON_FILES.search(filename or ""):
+                if key in shown:
+                    return
+                shown.add(key)
+            show(message, category, filename, lineno, file, line)
+
+        show_once.once_per_megatron_message = True
+        warnings.showwarning = show_once
+    for name in REPEATING_MEGATRON_LOGGERS:
+        megatron_logger = logging.getLogger(name)
+        if not any(isinstance(f, OncePerMessage) for f in megatron_logger.filters):
+            megatron_logger.addFilter(OncePerMessage())
+
+
+def set_up_warnings(argv: List[str]) -> bool:
+    """``quiet_repeated_warnings()`` unless ``--verbose`` is among the launcher's arguments (then
+    Megatron's default stays); True if it was installed."""
+    verbose = take_verbose_flag(argv)[1]
+    if not verbose:
+        quiet_repeated_warnings()
+    return not verbose
+
+
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     """Megatron-LM's argument parsing and validation (``argv`` defaults to ``sys.argv[1:]``),
     plus ``check_launcher_args``. Does not set Megatron's global variables.
@@ -201,7 +272,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     ``--activation-reserve-gib`` (a launcher flag), for Megatron's optimizer and micro-batches."""
     from megatron.training import arguments
 
-    megatron_argv, auto, reserve = take_launcher_flags(list(sys.argv[1:] if argv is None else argv))
+    megatron_argv, verbose = take_verbose_flag(list(sys.argv[1:] if argv is None else argv))
+    megatron_argv, auto, reserve = take_launcher_flags(megatron_argv)
     megatron_argv, fsdp_dtensor = take_fsdp_dtensor_format(megatron_argv)
     with _argv(megatron_argv):
         args = arguments.parse_args()
@@ -209,6 +281,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     if auto:
         args.data_parallel_sharding_strategy = "auto"
     args.activation_reserve_bytes = reserve
+    args.verbose = verbose
     check_launcher_args(args)
     if getattr(args, "gradient_accumulation_fusion", False):
         logger.info("megatron_fsdp_v2: setting gradient_accumulation_fusion=False (needs param.main_grad)")
@@ -532,6 +605,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         # Megatron-LM 0.19.2's own --help crashes (a help string holds a bare '%').
         print(__doc__)
         return
+    set_up_warnings(argv)               # before parse_args: Megatron warns while its modules import
     args = parse_args(argv)
     set_global_variables(args)
     cfg = pretrain_cfg_container_from_args(args, model_cfg=None)

@@ -22,7 +22,7 @@ import functools
 import os
 import sys
 import types
-from typing import List
+from typing import List, Optional
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -34,13 +34,16 @@ TRAINING_MODULES = ["megatron.training.initialize", "megatron.training.training"
 
 
 @contextlib.contextmanager
-def launcher_on_cpu():
+def launcher_on_cpu(argv: Optional[List[str]] = None):
     """The launcher module (``examples/pretrain_gpt.py``), its training on CPU within: the stand-ins
-    above applied, undone on exit. The default process group must exist (gloo)."""
+    above applied, undone on exit. The default process group must exist (gloo). Given the launcher's
+    ``argv``, its warning set-up (``--verbose`` or not) comes first: the stand-ins import Megatron."""
     sys.path[:0] = [p for p in (REPO, os.path.join(REPO, "examples")) if p not in sys.path]
     import torch
 
     import pretrain_gpt
+    if argv is not None:
+        pretrain_gpt.set_up_warnings(argv)
     from testing import cpu_compat
 
     class LauncherCuda(cpu_compat._CpuCudaNamespace):
@@ -76,7 +79,7 @@ def main(argv: List[str]) -> None:
     import torch
 
     torch.distributed.init_process_group("gloo")
-    with launcher_on_cpu() as pretrain_gpt:
+    with launcher_on_cpu(argv) as pretrain_gpt:
         pretrain_gpt.main(argv)
     torch.distributed.destroy_process_group()
 

@@ -6,6 +6,9 @@ strategy, for a Megatron GPT given Megatron-LM's model flags or a torch model gi
     python -m megatron_fsdp_v2.plan --model my_pkg.models:build --unit-modules my_pkg.models:Block \\
         --param-dtype bf16 --world-size 4
 
+The table printed is the compact one (strategy, kept and peak bytes, bytes moved per step, fits /
+chosen: plan/compact.py), at most 100 columns; ``--wide`` prints every column (``str(plan)``).
+
 ``--model`` is called with no arguments under ``torch.device("meta")`` (nothing is allocated);
 the Megatron GPT is built on the meta device too (megatron_fsdp_v2/megatron/plan_model.py).
 """
@@ -22,6 +25,7 @@ import torch
 from ..mixed_precision import MixedPrecisionPolicy
 from ..strategy import STRATEGY_NAMES
 from .memory import OPTIMIZER_STATE_COPIES
+from .compact import compact_table
 from .planner import plan
 
 #: Builds the Megatron GPT of the Megatron-LM flags (the adapter's package; needs megatron-core).
@@ -80,6 +84,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     g.add_argument("--activation-gib", type=float, default=None,
                    help="the activation peak of one forward and backward without any wrapper: adds the peak "
                         "with activations (and the budget check uses it)")
+    g = p.add_argument_group("the output")
+    g.add_argument("--wide", action="store_true",
+                   help="the full table: every kind of bytes and every collective (default: the compact "
+                        "table, at most 100 columns)")
     return p.parse_args(argv)
 
 
@@ -135,7 +143,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                   offload_fractions=fractions, activation_bytes=activations)
     params = sum(p.numel() for p in model.parameters())
     print(f"{type(model).__name__}: {params / 1e6:.1f}M parameters, world size {args.world_size}")
-    print(result)
+    print(result if args.wide else compact_table(result))
     return 0
 
 

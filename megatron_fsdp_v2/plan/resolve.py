@@ -103,9 +103,18 @@ def resolve_auto_strategy(module: nn.Module, options: AutoStrategy, comm, replic
                                  broadcast_buffers, offload=offload, activation_bytes=options.activation_bytes,
                                  persistent_grads=persistent_grads)
     chosen, runner_up = choose(candidates, budget)
-    if comm.rank == 0 and (replicas is None or replicas.rank == 0):
-        def describe(c):
-            return f"{c.name} (peak {format_bytes(c.fit_bytes)}, sends {format_bytes(c.wire_bytes)}/step)"
-        logger.info("megatron_fsdp_v2: sharding_strategy='auto' chose %s within %s per rank; runner-up: %s",
-                    describe(chosen), format_bytes(budget), describe(runner_up) if runner_up else "none fits")
+    announce_choice(chosen, runner_up, budget, comm.rank == 0 and (replicas is None or replicas.rank == 0))
     return get_strategy(chosen.strategy)
+
+
+def announce_choice(chosen, runner_up, budget: int, first_rank: bool) -> None:
+    """Say which strategy ``auto`` took and the runner-up, on the first rank only (every rank
+    chooses the same: one line per job). A warning, as the package's other notices are, so that
+    it shows without any logging set up: the choice changes what the run costs."""
+    if not first_rank:
+        return
+
+    def describe(c):
+        return f"{c.name} (peak {format_bytes(c.fit_bytes)}, sends {format_bytes(c.wire_bytes)}/step)"
+    logger.warning("megatron_fsdp_v2: sharding_strategy='auto' chose %s within %s per rank; runner-up: %s",
+                   describe(chosen), format_bytes(budget), describe(runner_up) if runner_up else "none fits")

@@ -127,7 +127,8 @@ def _auto_worker(rank, world_size, budgets):
     handler.emit = lambda record: records.append(record.getMessage())
     logger = logging.getLogger("megatron_fsdp_v2")
     logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
+    saved_level = logger.level
+    logger.setLevel(logging.WARNING)     # Python's default: the choice must show without any logging set up
     try:
         model = fully_shard(UnevenNet(), sharding_strategy="auto", unit_modules=[Block],
                             auto_strategy=AutoStrategy(budget_bytes=budgets[rank], optimizer="adamw", micro_batches=K))
@@ -136,6 +137,7 @@ def _auto_worker(rank, world_size, budgets):
         return f"error: {error}", records
     finally:
         logger.removeHandler(handler)
+        logger.setLevel(saved_level)
 
 
 def _uneven_plan(budget=None):
@@ -162,6 +164,27 @@ def test_auto_takes_the_fewest_bytes_that_fit_the_smallest_ranks_budget():
     chosen = _uneven_plan(10 ** 9)
     assert [name for name, _ in roomy] == [chosen.chosen.strategy] * 2 == ["no_shard"] * 2
     assert f"runner-up: {chosen.runner_up.name}" in roomy[0][1][0]
+
+
+@pytest.mark.parametrize("first_rank", [True, False])
+def test_auto_announces_its_choice_and_runner_up_on_the_first_rank_only(caplog, first_rank):
+    """At Python's default level (WARNING): one line on rank 0 naming the chosen strategy and the
+    runner-up; nothing on the other ranks."""
+    import logging
+
+    from megatron_fsdp_v2.plan.resolve import announce_choice
+
+    planned = _uneven_plan(10 ** 9)
+    assert logging.getLogger("megatron_fsdp_v2").getEffectiveLevel() <= logging.WARNING
+    with caplog.at_level(logging.WARNING, logger="megatron_fsdp_v2"):
+        announce_choice(planned.chosen, planned.runner_up, 10 ** 9, first_rank)
+    messages = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    if not first_rank:
+        assert messages == []
+        return
+    assert len(messages) == 1, messages
+    assert f"sharding_strategy='auto' chose {planned.chosen.name} (" in messages[0]
+    assert f"runner-up: {planned.runner_up.name} (" in messages[0]
 
 
 def test_auto_ties_bytes_within_padding_and_takes_the_smaller_peak():

@@ -4,6 +4,7 @@ and ``python -m megatron_fsdp_v2.plan`` for a Megatron GPT and a torch model."""
 from __future__ import annotations
 
 import importlib.util
+import re
 
 import pytest
 
@@ -110,6 +111,7 @@ def test_plan_command_plans_offload_fractions_and_activations(capsys):
 
     from megatron_fsdp_v2 import plan
     from megatron_fsdp_v2.plan.__main__ import main
+    from megatron_fsdp_v2.plan.compact import compact_table
     from tests.unit.models import Block, UnevenNet
 
     main(["--model", "tests.unit.models:UnevenNet", "--unit-modules", "tests.unit.models:Block", "--world-size", "2",
@@ -122,6 +124,44 @@ def test_plan_command_plans_offload_fractions_and_activations(capsys):
         net = UnevenNet()
     want = plan(net, "optim_grads_params", world_size=2, unit_modules=[Block], device="cpu",
                 offload_fractions=[0.0, 0.5, 1.0], activation_bytes=1 << 28, broadcast_buffers=True)
-    assert str(want) in out
+    assert compact_table(want) in out
+    main(["--model", "tests.unit.models:UnevenNet", "--unit-modules", "tests.unit.models:Block", "--world-size", "2",
+          "--device", "cpu", "--strategies", "optim_grads_params", "--offload-fractions", "1,0.5",
+          "--activation-gib", "0.25", "--wide"])
+    assert str(want) in capsys.readouterr().out
     with pytest.raises(SystemExit, match="--offload-fractions must be comma-separated numbers"):
         main(["--model", "tests.unit.models:UnevenNet", "--offload-fractions", "half"])
+
+
+#: The README's ``python -m megatron_fsdp_v2.plan`` example (a Megatron GPT), on the CPU.
+README_PLAN = ["--num-layers", "16", "--hidden-size", "2048", "--num-attention-heads", "16", "--seq-length", "2048",
+               "--vocab-size", "32000", "--bf16", "--world-size", "8", "--device", "cpu"]
+#: The optional columns: a hybrid shape (longer names), with activations and a budget; offload (longest names).
+PLAN_EXTRAS = [["--hybrid", "2x4"], ["--hybrid", "2x4", "--budget-gib", "20", "--activation-gib", "4"],
+               ["--offload-fractions", "0.5,1", "--budget-gib", "6", "--activation-gib", "4"]]
+#: The wide table's columns that the compact one leaves out.
+WIDE_ONLY = ["weights", "main", "grads", "optimizer", "(padding)", "gathered", "reduce in", "held grads",
+             "trace pool", "temp peak", "all-gather", "reduce-scatter", "all-reduce", "outer all-reduce",
+             "sent/rank", "host link"]
+
+
+def _header(out: str) -> list:
+    """The table's column names (cells are two or more spaces apart; names hold single spaces)."""
+    return re.split(r"\s{2,}", out.splitlines()[1].strip())
+
+
+@pytest.mark.parametrize("extra", PLAN_EXTRAS, ids=lambda e: " ".join(e))
+def test_plan_command_fits_100_columns_and_wide_has_every_column(capsys, extra):
+    from megatron_fsdp_v2.plan.__main__ import main
+
+    main(README_PLAN + extra)
+    compact = capsys.readouterr().out
+    assert all(len(line) <= 100 for line in compact.splitlines()), compact
+    header = _header(compact)
+    assert header[:3] == ["strategy", "kept", "peak"] and "moved/step" in header, header
+    assert not set(header) & set(WIDE_ONLY), header
+    if "--budget-gib" in extra:
+        assert header[-1] == "fits" and "chosen" in compact and "runner-up" in compact
+    main(README_PLAN + extra + ["--wide"])
+    wide = _header(capsys.readouterr().out)
+    assert set(WIDE_ONLY) <= set(wide), wide

@@ -127,10 +127,15 @@ class ParamGroup(GroupExport, GroupOffload, GroupReduce):
         main_segment: bool = False,
         from_meta: bool = False,
         extension: Optional[ExtensionWeights] = None,
+        *,
+        all_names: Sequence[list[str]],
+        param_dtype: torch.dtype,
     ) -> None:
         self.name = name
         self.params = list(params)
         self.param_names = list(param_names)
+        self.all_names = list(all_names)
+        self.param_dtype = param_dtype
         self.shapes = [p.shape for p in self.params]
         self.strategy = strategy
         self.comm = comm
@@ -193,7 +198,8 @@ class ParamGroup(GroupExport, GroupOffload, GroupReduce):
         self.grads = GradBuffer(grads_numel, dtypes.grad, device)
         self.grads.persistent = persistent_grads
         self.main_locals: list[torch.Tensor] = []
-        self.main_params: Optional[list] = None
+        self.main_params = None
+        self.offloaded = None            # _init_buffers may offload (group_offload.py)
         self._init_buffers(offload, main_segment, from_meta)
 
     # ------------------------------------------------------------------ construction

@@ -100,9 +100,8 @@ def build_units(model: PreparedModel, strategy, groups: WrapGroups, world, alloc
                                extension=_extension(model, gspec, groups.experts if gspec.expert else shard_comm,
                                                     meshes, resolve_dtypes(gspec.dtype, policy, gspec.requires_grad,
                                                                            gspec.full_precision),
-                                                    offloaded=index in to_host, hybrid=world is not None))
-            group.all_names = [e[1] for e in entries]
-            group.param_dtype = gspec.dtype
+                                                    offloaded=index in to_host, hybrid=world is not None),
+                               all_names=[e[1] for e in entries], param_dtype=gspec.dtype)
             unit_groups.append(group)
             index += 1
             for first_name, _, param in entries:

@@ -16,14 +16,15 @@ __all__ = ["GroupOffload"]
 
 
 class GroupOffload:
-    """Mixed into ParamGroup; reads its buffers, layout and strategy."""
-
-    offloaded: Optional[OffloadedGroup] = None
+    """Mixed into ParamGroup; reads its buffers, layout and strategy. ``offloaded`` (None: on the
+    device) is declared and first set by ParamGroup, like everything a group holds."""
 
     def offload_main(self, link: HostLink) -> None:
         """Keep this group's main shard (and so the optimizer state made from its main parameters)
         in host memory. Callable before an optimizer holds the main parameters: those already
-        made are re-pointed in place (``.data``), so references to them stay valid."""
+        made are re-pointed in place (``.data``), so references to them stay valid. Called from
+        ParamGroup._init_buffers (``grads`` and ``compute_weights_are_main_weights`` already set)
+        or later by ``set_offload``."""
         if self.offloaded is not None:
             return
         device_main = self.main_shard
@@ -33,12 +34,12 @@ class GroupOffload:
         self.offloaded = OffloadedGroup(link, grad_numel if self.requires_grad else 0, self.dtypes.grad,
                                         self.layout.shard_numel if self.strategy.weights_sharded else 0,
                                         self.dtypes.compute)
-        if self.strategy.grads_sharded and hasattr(self, "grads"):
+        if self.strategy.grads_sharded:
             # reduced gradients live on the host from now on: no device shard (one made at
             # construction, before a later set_offload, is dropped)
             persistent, self.grads = self.grads.persistent, GradBuffer(self.grads.numel, self.grads.dtype, self.device)
             self.grads.persistent = persistent
-        if getattr(self, "compute_weights_are_main_weights", False):
+        if self.compute_weights_are_main_weights:
             # DDP without a cast: the device buffer the module's parameters view stays, as the
             # compute weights; the main weights are the host copy from now on
             self.compute_weights_are_main_weights = False
@@ -66,7 +67,7 @@ class GroupOffload:
 
     def _version_now(self) -> Optional[int]:
         """``main_version()``, or None while the main parameters are being made (construction)."""
-        return self.main_version() if getattr(self, "main_params", None) is not None else None
+        return self.main_version() if self.main_params is not None else None
 
     def start_upload(self, after=None) -> None:
         """ZeRO-3: start the copy of the host main shard to the device compute-weight shard (right

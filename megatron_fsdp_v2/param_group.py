@@ -23,6 +23,7 @@ from typing import Optional, Sequence
 
 import torch
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from .allocators.base import Allocator
 from .comm import Communicator, PendingCollective, wait_pending as _wait
@@ -33,6 +34,7 @@ from .group_reduce import GroupReduce
 from .unreduced_grads import UnreducedGrads
 from .extension_weights import ExtensionWeights
 from .layout import FlatLayout, build_layout
+from .offload import OffloadedGroup
 from .row_sharded import sharded_rows
 from .shard_order import add_rank_major, natural_from_gathered
 from .mixed_precision import GroupDtypes
@@ -41,7 +43,71 @@ from .strategy import ShardingStrategy
 
 
 class ParamGroup(GroupExport, GroupOffload, GroupReduce):
-    """Flat main-weight, model-weight and grad buffers of a list of parameters."""
+    """Flat main-weight, model-weight and grad buffers of a list of parameters.
+
+    Everything a group holds is declared below, by concern, and set in ``__init__`` (the mixins
+    write some of them later but add none)."""
+
+    # -- layout and strategy: what the group is made of and how it is sharded
+    name: str                            # the group's tag (units.py); the allocator's keys start with it
+    params: list[nn.Parameter]           # the module's parameters (extension groups: then their compute parameters)
+    param_names: list[str]               # each parameter's first name in the module
+    shapes: list[torch.Size]             # each parameter's shape as wrapped
+    strategy: ShardingStrategy           # which of main weights, grads, compute weights are sharded
+    comm: Communicator                   # the data-parallel group the main weights are sharded over
+    dtypes: GroupDtypes                  # compute, main, grad and grad-comm dtypes
+    allocator: Allocator                 # temporaries: ZeRO-3's gathered weights, reduce inputs, stashes
+    device: torch.device
+    requires_grad: bool                  # the parameters' requires_grad at wrapping
+    layout: FlatLayout                   # offsets of the parameters in the flat buffers and the shards
+    mesh: Optional[DeviceMesh]           # sharded main weights face the optimizer as DTensors on it (None: plain)
+    shard_start: int                     # this rank's range of the flat buffer (the whole of it unsharded)
+    shard_end: int
+
+    # -- weights
+    main_shard: Optional[torch.Tensor]   # main weights: this rank's shard or the whole buffer (None: meta, not yet)
+    main_in_segment: bool                # the main shard moves into the rank's main segment (main_segment.py)
+    main_locals: list[torch.Tensor]      # each parameter's piece of main_shard, as plain tensors
+    main_params: Optional[list[nn.Parameter]]    # the optimizer's parameters, viewing main_shard (None: not made yet)
+    model_weights: Optional[torch.Tensor]        # full compute weights (ZeRO-3: only while unsharded)
+    compute_weights_are_main_weights: bool       # model_weights is main_shard (no cast, nothing sharded)
+    is_unsharded: bool                   # the parameters view full compute weights
+    _weights_key: tuple[str, str]        # allocator key of ZeRO-3's gathered compute weights
+    _gathered_key: tuple[str, str]       # allocator key of the rank-major gather (per-parameter shards)
+    _pending_unshard: Optional[PendingCollective]   # ZeRO-3's weight gather in flight
+    _pending_refresh: Optional[PendingCollective]   # ZeRO-1/2's (HFSDP: the inner shard's) refresh in flight
+
+    # -- grads
+    grads: GradBuffer                    # full_grad or grad_shard (grad_buffer.py)
+    _unreduced: UnreducedGrads           # ZeRO-2/3: this backward's gradients, not yet reduced
+    grads_ready: list[bool]              # per parameter: got this backward's gradient
+    got_grad: list[bool]                 # per parameter: got a gradient on this rank since the last zeroing
+    trainable: list[bool]                # per parameter: requires_grad at the last forward
+    reduced: list[bool]                  # per parameter: trainable at any forward since the last zeroing
+    _own_region_holds_mean: bool         # ZeRO-1: this rank's region of full_grad holds a reduced mean
+    _stash_key: tuple[str, str]          # allocator key of _stash
+    _stash: Optional[torch.Tensor]       # ZeRO-1: that mean, set aside while a further backward accumulates
+
+    # -- reduce (group_reduce.py)
+    _comm_key: tuple[str, str]           # allocator key of the reduce input
+    has_unreduced_grads: bool            # gradients accumulated since the last reduce
+    reduced_this_backward: bool          # the group reduced during this backward
+    awaiting_replica_reduce: bool        # hybrid sharding: reduced here, not yet averaged across replicas
+
+    # -- offload (group_offload.py)
+    offloaded: Optional[OffloadedGroup]  # the host main shard and gradients (None: on the device)
+
+    # -- hybrid levels (HFSDP, replicas.py)
+    levels: Optional[tuple[Communicator, Communicator]]   # (inner, outer); comm is then the whole world
+    inner_weights: Optional[torch.Tensor]   # ZeRO-3: this rank's inner shard of the compute weights
+    _inner_grad: Optional[torch.Tensor]     # inner-reduced grads awaiting the outer reduce
+
+    # -- export (checkpoints, nested wraps)
+    all_names: list                      # per parameter: every name it is reached by (tied parameters: several)
+    param_dtype: torch.dtype             # the parameters' dtype before wrapping (nested.py gives it back)
+
+    # -- FSDP2's extension protocol (e.g. float8)
+    extension: Optional[ExtensionWeights]   # parameters whose class gathers them (extension_weights.py)
 
     def __init__(
         self,
@@ -61,10 +127,15 @@ class ParamGroup(GroupExport, GroupOffload, GroupReduce):
         main_segment: bool = False,
         from_meta: bool = False,
         extension: Optional[ExtensionWeights] = None,
+        *,
+        all_names: Sequence[list[str]],
+        param_dtype: torch.dtype,
     ) -> None:
         self.name = name
         self.params = list(params)
         self.param_names = list(param_names)
+        self.all_names = list(all_names)
+        self.param_dtype = param_dtype
         self.shapes = [p.shape for p in self.params]
         self.strategy = strategy
         self.comm = comm
@@ -78,11 +149,11 @@ class ParamGroup(GroupExport, GroupOffload, GroupReduce):
         # HFSDP (replicas.py, [Note: sharding across replicas (HFSDP)]): (inner, outer) Communicators;
         # ``comm`` is then the whole data-parallel world the main weights are sharded over.
         self.levels = levels
-        self.inner_weights: Optional[torch.Tensor] = None     # HFSDP ZeRO-3: this rank's inner shard
-        self._inner_grad: Optional[torch.Tensor] = None       # HFSDP: inner-reduced grads awaiting the outer reduce
+        self.inner_weights = None     # HFSDP ZeRO-3: this rank's inner shard
+        self._inner_grad = None       # HFSDP: inner-reduced grads awaiting the outer reduce
         # HFSDP gathers and reduces block by block over two levels of row-snapped shards
-        self.layout: FlatLayout = build_layout([tuple(p.shape) for p in self.params], comm.size, alignment,
-                                               per_parameter=strategy.shards_each_parameter and levels is None)
+        self.layout = build_layout([tuple(p.shape) for p in self.params], comm.size, alignment,
+                                   per_parameter=strategy.shards_each_parameter and levels is None)
         # Sharded main weights face the optimizer as RowShardedTensors on this mesh (None: as plain
         # tensors holding this rank's rows, what Megatron's optimizer expects).
         self.mesh = mesh if strategy.optim_sharded else None
@@ -127,7 +198,8 @@ class ParamGroup(GroupExport, GroupOffload, GroupReduce):
         self.grads = GradBuffer(grads_numel, dtypes.grad, device)
         self.grads.persistent = persistent_grads
         self.main_locals: list[torch.Tensor] = []
-        self.main_params: Optional[list] = None
+        self.main_params = None
+        self.offloaded = None            # _init_buffers may offload (group_offload.py)
         self._init_buffers(offload, main_segment, from_meta)
 
     # ------------------------------------------------------------------ construction
@@ -146,7 +218,7 @@ class ParamGroup(GroupExport, GroupOffload, GroupReduce):
             self.model_weights = None
             self.is_unsharded = not self.strategy.weights_sharded
         elif self.strategy.weights_sharded:
-            self.model_weights: Optional[torch.Tensor] = None
+            self.model_weights = None
             for param in self.params:
                 param.data = torch.empty(0, dtype=dt.compute, device=self.device)
             if self.levels is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import typing
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from hypothesis import given, settings, strategies as st
 from megatron_fsdp_v2 import (STRATEGY_NAMES, MixedPrecisionPolicy, OffloadPolicy, fully_shard, load_checkpoint,
                               save_checkpoint)
 from megatron_fsdp_v2.offload import choose_offloaded
+from megatron_fsdp_v2.param_group import ParamGroup
 
 from .dist_utils import run_distributed
 from .models import Block, UnevenNet, make_batches
@@ -49,8 +51,10 @@ def _placement(model) -> dict:
     distinct = all(g.main_shard.data_ptr() != (g.model_weights.data_ptr() if g.model_weights is not None else -1)
                    and (g.offloaded.compute_shard is None or g.offloaded.compute_shard.data_ptr() != g.main_shard.data_ptr())
                    for g in offloaded)
+    declared = set(typing.get_type_hints(ParamGroup))
     return {"offloaded": [groups.index(g) for g in offloaded], "groups": len(groups),
-            "bytes": model.persistent_bytes(), "main_and_compute_apart": distinct}
+            "bytes": model.persistent_bytes(), "main_and_compute_apart": distinct,
+            "undeclared": sorted({name for g in groups for name in vars(g)} - declared)}
 
 
 def parity_worker(rank, world_size):
@@ -101,6 +105,14 @@ def test_offload_places_whole_groups_from_the_last(parity, strategy):
     host, device = half["bytes"]["host_main_weights"], half["bytes"]["main_weights"]
     assert host + device == none["bytes"]["main_weights"] and host >= device
     assert every["main_and_compute_apart"] and half["main_and_compute_apart"]
+
+
+@pytest.mark.parametrize("strategy", STRATEGY_NAMES)
+def test_a_trained_group_holds_only_what_its_class_declares(parity, strategy):
+    """ParamGroup lists everything a group holds at the top of the class (issue 50): a group on the
+    device, or offloaded, after training holds nothing else."""
+    for fraction in FRACTIONS:
+        assert parity[0][(strategy, fraction)][2]["undeclared"] == [], (strategy, fraction)
 
 
 @settings(max_examples=60, deadline=None)

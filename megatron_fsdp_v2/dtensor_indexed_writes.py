@@ -59,6 +59,7 @@ def _index_handler(op, args, kwargs):
             made_by = f"an index along dimension {dim % max(source.dim(), 1)}, which {source.placements} spreads over ranks"
         if made_by is not None:
             setattr(out, _COPY_MARK, made_by)
+            _install_write_handlers()
     return out
 
 
@@ -74,10 +75,20 @@ def _write_handler(op, args, kwargs):
     return default_path(op, args, kwargs)
 
 
+def _install_write_handlers() -> None:
+    """The write checks, from the first marked copy on: until then no DTensor's in-place op (of
+    ours or anyone's in the process) pays for them (about 6 us a call on CPU,
+    ``mul_`` of a 64 x 64 DTensor: 18.0 -> 23.6 us)."""
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    if handlers.get(_WRITE_OPS[0]) is _write_handler:
+        return
+    for op in _WRITE_OPS:
+        handlers.setdefault(op, _write_handler)
+
+
 def install_indexed_write_handlers() -> None:
-    """Register the handlers (idempotent; an op that already has a handler of torch's is left alone)."""
+    """Register the index handlers (idempotent; an op that already has a handler of torch's is left
+    alone); the write handlers follow with the first marked copy."""
     handlers = DTensor._op_dispatcher._custom_op_handlers
     for op in _INDEX_OPS:
         handlers.setdefault(op, _index_handler)
-    for op in _WRITE_OPS:
-        handlers.setdefault(op, _write_handler)

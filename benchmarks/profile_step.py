@@ -27,6 +27,9 @@ def _phase_times(built, steps: int = 3) -> dict:
     """Wall time of forward + backward, optimizer step and zero_grad, each followed by a device
     synchronize (so overlap across phases is lost: the parts, not the step)."""
     rows = {"fwd_bwd": [], "opt_step": [], "zero_grad": []}
+    thread = _backward_steps(built)         # ours with OffloadPolicy(step_in_backward=True): the thread's time
+    records: list = []
+    remove = thread.add_observer(records.append) if thread is not None else None
     for _ in range(steps):
         for name, fn in (("fwd_bwd", built.fwd_bwd), ("opt_step", built.opt_step), ("zero_grad", built.zero_grad)):
             t0 = time.perf_counter()
@@ -34,11 +37,14 @@ def _phase_times(built, steps: int = 3) -> dict:
             torch.cuda.synchronize()
             rows[name].append((time.perf_counter() - t0) * 1e3)
     out = {k: sorted(v)[len(v) // 2] for k, v in rows.items()}
-    steps = _backward_steps(built)         # ours with OffloadPolicy(step_in_backward=True): the thread's time
-    if steps is not None and steps.groups_stepped:
-        n = steps.groups_stepped
-        out.update({f"thread {k} per group": v * 1e3 / n for k, v in steps.seconds.items()})
-        out["groups uploaded by the thread / stepped"] = steps.groups_uploaded / n
+    if remove is not None:
+        remove()
+    if records:
+        n = len(records)
+        out["thread waiting_for_grads per group"] = sum(r.attached - r.began for r in records) * 1e3 / n
+        out["thread stepping per group"] = sum(r.stepped - r.attached for r in records) * 1e3 / n
+        out["thread waiting_for_upload per group"] = sum(r.upload_started - r.stepped for r in records) * 1e3 / n
+        out["groups uploaded by the thread / stepped"] = sum(r.uploaded for r in records) / n
     return out
 
 
@@ -58,7 +64,8 @@ def _thread_timeline(built) -> None:
     steps = _backward_steps(built)
     if steps is None:
         return
-    steps.timeline = []
+    timeline: list = []
+    remove = steps.add_observer(timeline.append)
     torch.cuda.synchronize()
     start, after_bwd, after_step = (torch.cuda.Event(enable_timing=True) for _ in range(3))
     t0 = time.perf_counter()
@@ -80,12 +87,12 @@ def _thread_timeline(built) -> None:
     print("  the stepping thread took it / its gradient copy had landed / .grad attached / stepped / upload started")
     print(f"  {'group':40s} {'handed':>8s} {'device':>8s} {'taken':>8s} {'landed':>8s} {'attached':>8s} "
           f"{'stepped':>8s} {'upload':>8s}")
-    for name, handed, device_event, began, copied, attached, stepped, uploading in steps.timeline:
-        device = start.elapsed_time(device_event) if device_event is not None else float("nan")
-        handed = ms(handed) if handed is not None else float("nan")
-        print(f"  {name[-40:]:40s} {handed:8.1f} {device:8.1f} {ms(began):8.1f} {ms(copied):8.1f} "
-              f"{ms(attached):8.1f} {ms(stepped):8.1f} {ms(uploading):8.1f}")
-    steps.timeline = None
+    for r in timeline:
+        device = start.elapsed_time(r.handed_event) if r.handed_event is not None else float("nan")
+        handed = ms(r.handed_over) if r.handed_over is not None else float("nan")
+        print(f"  {r.group[-40:]:40s} {handed:8.1f} {device:8.1f} {ms(r.began):8.1f} {ms(r.copied):8.1f} "
+              f"{ms(r.attached):8.1f} {ms(r.stepped):8.1f} {ms(r.upload_started):8.1f}")
+    remove()
 
 
 def _sync_stacks(built, steps: int = 2) -> None:

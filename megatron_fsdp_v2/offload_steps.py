@@ -71,13 +71,14 @@ import sys
 import threading
 import time
 import weakref
-from typing import Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 import torch
 
 from .thread_shutdown import join_thread, shut_down_at_exit
 
-__all__ = ["BackwardSteps", "check_steppable", "install_backward_steps"]
+__all__ = ["BackwardSteps", "GroupStepRecord", "check_steppable", "install_backward_steps"]
 
 _STEPPABLE = ("Adam", "AdamW", "SGD")
 
@@ -115,6 +116,33 @@ class _SwitchInterval:
                 if abs(sys.getswitchinterval() - min(STEP_SWITCH_INTERVAL_S, cls._saved)) < 1e-6:
                     sys.setswitchinterval(cls._saved)     # (left alone if someone else set it meanwhile)
                 cls._saved = None
+
+
+@dataclass(frozen=True)
+class GroupStepRecord:
+    """One group the thread stepped, as an observer added with ``BackwardSteps.add_observer`` sees it
+    (benchmarks/profile_step.py prints them as a timeline). Times are ``time.perf_counter()``.
+
+    Attributes:
+        group: the group's name.
+        handed_over: when backward handed the group over (None: the observer came later).
+        handed_event: the timing event recorded on the compute stream at the hand-over (when the
+            device finished the group's backward); None without an observer then, or on CPU.
+        began, copied, attached, stepped, upload_started: when the thread took the group, its
+            gradient copy had landed on the host, its ``.grad`` were attached, its step ended and its
+            upload was started.
+        uploaded: whether the thread started the group's upload (ZeRO-3).
+    """
+
+    group: str
+    handed_over: Optional[float]
+    handed_event: Any
+    began: float
+    copied: float
+    attached: float
+    stepped: float
+    upload_started: float
+    uploaded: bool
 
 
 def check_steppable(optimizer, args, kwargs) -> None:
@@ -200,16 +228,10 @@ class BackwardSteps:
         self._attached: dict = {}              # id(group) -> _Attached: handed groups whose .grad are attached
         self._attach_lock = threading.Lock()   # the thread and the end of backward attach handed groups
         self._error: Optional[BaseException] = None
-        self.groups_stepped = 0                # how many group steps the thread ran (a count for tests)
-        self.groups_uploaded = 0               # of them, uploaded by the thread at once (ZeRO-3)
         self._last_upload = None               # OffloadedGroup of the thread's last upload
-        # the thread's time: waiting for gradient copies, stepping (and starting uploads); benchmarks read it
-        self.seconds = {"waiting_for_grads": 0.0, "stepping": 0.0, "waiting_for_upload": 0.0}
-        # when set to a list, the thread appends per group (name, handed over, its device event,
-        # began, copy landed, attached, stepped, upload started): perf_counter times and the
-        # timing event recorded on the compute stream at the hand-over (when the device finished
-        # the group's backward); the timeline benchmarks/profile_step.py prints
-        self.timeline: Optional[list] = None
+        # profilers' callbacks, each called with a GroupStepRecord per group the thread steps; with
+        # none the thread takes no timestamps and records no events
+        self._observers: list = []
         self._lowered = [False]                # the switch interval is lowered for this backward's hand-overs
         # ends the thread with this object (at exit thread_shutdown.py joins it first)
         weakref.finalize(self, self._queue.put, None).atexit = False
@@ -218,6 +240,13 @@ class BackwardSteps:
     @property
     def optimizer(self):
         return self._optimizer() if self._optimizer is not None else None
+
+    def add_observer(self, observer: Callable[[GroupStepRecord], None]) -> Callable[[], None]:
+        """Call ``observer`` (on the stepping thread) with each group it steps from now on; returns
+        the function that removes it. For profilers and benchmarks: the step path records nothing
+        while no observer is added."""
+        self._observers.append(observer)
+        return lambda: self._observers.remove(observer)
 
     # -- the backward's side (autograd's thread) -------------------------------------------------
     def hand_over(self, group, unused_grads_are_none: bool) -> bool:
@@ -237,9 +266,9 @@ class BackwardSteps:
             self._thread.start()
             shut_down_at_exit(self)      # [Note: threads at exit]
         # the group's last device reads of its compute shard (its backward gather) are queued by now
-        timed = self.timeline is not None
-        handed_at = self.link.compute_event(timing=timed)
-        stamp = (time.perf_counter(), handed_at) if timed else None
+        observed = bool(self._observers)
+        handed_at = self.link.compute_event(timing=observed)
+        stamp = (time.perf_counter(), handed_at) if observed else None
         self._queue.put((group, optimizer, unused_grads_are_none, handed_at, stamp))
         return True
 
@@ -279,32 +308,30 @@ class BackwardSteps:
         if self._error is not None:
             return
         try:
-            began = time.perf_counter()
+            clock = _clock if self._observers else _no_clock
+            began = clock()
             group.offloaded.wait_landed()
-            copied = time.perf_counter()
+            copied = clock()
             record = self._attach_landed(group, unused_grads_are_none)
-            landed = time.perf_counter()
+            attached = clock()
             record.hyper = _hyperparameters(optimizer)
             group.offloaded.stepped_early = True
             with torch.no_grad():
                 _step_subset(optimizer, list(group.main_params))
             self._stepped[id(group)] = record
-            self.groups_stepped += 1
-            stepped = time.perf_counter()
-            if group.uploads_when_stepped_in_backward:
+            stepped = clock()
+            uploads = group.uploads_when_stepped_in_backward
+            if uploads:
                 # one upload in flight: its device copy in the main dtype is the only one backward holds
                 if self._last_upload is not None:
                     self._last_upload.wait_upload_on_host()
                 group.start_upload(after=handed_at)
                 self._last_upload = group.offloaded
-                self.groups_uploaded += 1
-            uploading = time.perf_counter()
-            self.seconds["waiting_for_grads"] += landed - began
-            self.seconds["stepping"] += stepped - landed
-            self.seconds["waiting_for_upload"] += uploading - stepped
-            if self.timeline is not None:
-                # (None, None): handed over before the timeline was set
-                self.timeline.append((group.name, *(stamp or (None, None)), began, copied, landed, stepped, uploading))
+            if self._observers:
+                handed, event = stamp or (None, None)      # (None, None): handed over before an observer came
+                report = GroupStepRecord(group.name, handed, event, began, copied, attached, stepped, clock(), uploads)
+                for observer in list(self._observers):
+                    observer(report)
         except BaseException as exc:   # noqa: BLE001 -- raised in the main thread at the next wait
             self._error = exc
 
@@ -390,6 +417,13 @@ class BackwardSteps:
             record.group.offloaded.stepped_early = False
             for main, grad in zip(record.group.main_params, record.grads):
                 main.grad = grad
+
+
+_clock = time.perf_counter
+
+
+def _no_clock() -> float:
+    return 0.0
 
 
 def _work(tasks: "queue.Queue", owner: "weakref.ref", device: torch.device, threads: Optional[int]) -> None:

@@ -7,7 +7,8 @@ strategy, for a Megatron GPT given Megatron-LM's model flags or a torch model gi
         --param-dtype bf16 --world-size 4
 
 The table printed is the compact one (strategy, kept and peak bytes, bytes moved per step, fits /
-chosen: plan/compact.py), at most 100 columns; ``--wide`` prints every column (``str(plan)``).
+chosen: plan/compact.py), at most 100 columns; ``--wide`` prints every column (``str(plan)``) and
+``--json`` the same numbers as JSON, in bytes (``Plan.as_dict()``).
 
 ``--model`` is called with no arguments under ``torch.device("meta")`` (nothing is allocated);
 the Megatron GPT is built on the meta device too (megatron_fsdp_v2/megatron/plan_model.py).
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import sys
 from typing import Optional, Sequence
 
@@ -88,6 +90,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     g.add_argument("--wide", action="store_true",
                    help="the full table: every kind of bytes and every collective (default: the compact "
                         "table, at most 100 columns)")
+    g.add_argument("--json", action="store_true",
+                   help="print the plan as JSON instead of a table: every number of --wide, in bytes")
     return p.parse_args(argv)
 
 
@@ -142,6 +146,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                   broadcast_buffers=bool(args.model), budget_bytes=budget,
                   offload_fractions=fractions, activation_bytes=activations)
     params = sum(p.numel() for p in model.parameters())
+    if args.json:
+        print(json.dumps({"model": type(model).__name__, "parameters": params,
+                          "world_size": args.world_size, **result.as_dict()}, indent=1))
+        return 0
     print(f"{type(model).__name__}: {params / 1e6:.1f}M parameters, world size {args.world_size}")
     print(result if args.wide else compact_table(result))
     return 0

@@ -116,6 +116,17 @@ class StrategyPlan:
             cells.append(format_bytes(self.peak_with_activations))
         return cells
 
+    def as_dict(self) -> dict:
+        """Every number of the wide table, in bytes (``plan --json``): the records as they are, plus
+        the derived totals, so a script reads the plan without parsing a table."""
+        return {"name": self.name, "strategy": self.strategy, "shape": list(self.shape),
+                "offload_fraction": self.offload_fraction, "ranks": [dict(r) for r in self.ranks],
+                "temporaries": dict(self.temporaries), "comm": self.comm, "wire_bytes": self.wire_bytes,
+                "transfers": self.transfers, "phases": dict(self.phases),
+                "activation_bytes": self.activation_bytes, "persistent_bytes": self.persistent_bytes,
+                "peak_bytes": self.peak_bytes, "peak_with_activations": self.peak_with_activations,
+                "host_bytes": self.host_bytes, "moved_bytes": self.moved_bytes}
+
 
 HEADER = ["strategy", "weights", "main", "grads", "optimizer", "(padding)", "kept", "gathered", "reduce in",
           "held grads", "trace pool", "temp peak", "peak", "all-gather", "reduce-scatter", "all-reduce",
@@ -141,6 +152,14 @@ class Plan:
             if name in (candidate.name, candidate.strategy):
                 return candidate
         raise KeyError(f"no candidate named {name!r}; candidates: {[c.name for c in self.candidates]}.")
+
+    def as_dict(self) -> dict:
+        """The plan as plain data (``python -m megatron_fsdp_v2.plan --json``)."""
+        return {"micro_batches": self.micro_batches, "optimizer": self.optimizer,
+                "budget_bytes": self.budget_bytes,
+                "chosen": self.chosen.name if self.chosen else None,
+                "runner_up": self.runner_up.name if self.runner_up else None,
+                "candidates": [c.as_dict() for c in self.candidates]}
 
     def __str__(self) -> str:
         with_activations = any(c.activation_bytes is not None for c in self.candidates)

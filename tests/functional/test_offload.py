@@ -17,6 +17,8 @@ import dataclasses
 
 import torch
 
+from testing.thread_steps import observe_thread_steps
+
 from . import harness
 
 
@@ -27,9 +29,10 @@ def _train(world, spec, release: bool):
     policy = OffloadPolicy(fraction=1.0, step_in_backward=True, release_after_gather=release)
     model, optimizer, _ = harness.shard_gpt(spec, world, "optim_grads_params", offload=policy, fused=True)
     data = harness.batches(spec, world.rank, world, n=spec.iters)
+    records = observe_thread_steps(model)
     losses = [harness.plain_step(model, optimizer, [batch], world)[0] for batch in data]
     weights = {name: tensor.detach().cpu().clone() for name, tensor in model.full_state_dict().items()}
-    stepped = model._fsdp_engine.backward_steps.groups_stepped
+    stepped = len(records)
     del model, optimizer
     harness.release_memory(world)
     return losses, weights, stepped

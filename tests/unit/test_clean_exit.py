@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_fsdp_v2 import OffloadPolicy, fully_shard
+from testing.thread_steps import observe_thread_steps
 
 from .dist_utils import run_distributed
 from .models import Block, UnevenNet, make_batches
@@ -26,17 +27,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _train_offloaded(rank, group=None, steps=3):
+    """(model, optimizer, the thread's GroupStepRecords so far and to come) after ``steps`` steps."""
     torch.manual_seed(0)
     model = fully_shard(UnevenNet(), sharding_strategy="optim_grads_params", unit_modules=[Block],
                         process_group=group,
                         offload=OffloadPolicy(fraction=1.0, step_in_backward=True, release_after_gather=True))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    stepped = observe_thread_steps(model)
     for step in range(steps):
         x, y = make_batches(step, rank, 1)[0]
         loss_fn(model(x), y).backward()
         opt.step()
         opt.zero_grad()
-    return model, opt
+    return model, opt, stepped
 
 
 def _stepping_threads():
@@ -45,11 +48,11 @@ def _stepping_threads():
 
 def destroy_worker(rank, world_size):
     group = dist.new_group(list(range(world_size)))
-    model, _ = _train_offloaded(rank, group)
+    model, _, stepped = _train_offloaded(rank, group)
     threads = _stepping_threads()
     native = [t.native_id for t in threads]
     dist.destroy_process_group(group)
-    return (model._fsdp_engine.backward_steps.groups_stepped, len(threads), len(_stepping_threads()),
+    return (len(stepped), len(threads), len(_stepping_threads()),
             [n for n in native if os.path.exists(f"/proc/self/task/{n}")])
 
 
@@ -68,8 +71,7 @@ EXIT_SCRIPT = textwrap.dedent("""
         # registered before the package is imported, so it runs after the package's own atexit callbacks
         alive = [t for t in threading.enumerate() if t.name == {name!r}]
         tasks = [n for n in NATIVE if os.path.exists(f"/proc/self/task/{{n}}")]
-        stepped = model._fsdp_engine.backward_steps.groups_stepped
-        print(f"at exit: {{len(alive)}} stepping threads, {{len(tasks)}} os threads, {{stepped}} group steps",
+        print(f"at exit: {{len(alive)}} stepping threads, {{len(tasks)}} os threads, {{len(stepped)}} group steps",
               flush=True)
         if alive or tasks:
             os._exit(3)
@@ -83,9 +85,9 @@ EXIT_SCRIPT = textwrap.dedent("""
     from tests.unit.test_clean_exit import _stepping_threads, _train_offloaded
 
     dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
-    model, optimizer = _train_offloaded(0)
+    model, optimizer, stepped = _train_offloaded(0)
     NATIVE.extend(t.native_id for t in _stepping_threads())
-    print(f"groups stepped on the thread: {{model._fsdp_engine.backward_steps.groups_stepped}}", flush=True)
+    print(f"groups stepped on the thread: {{len(stepped)}}", flush=True)
     step_subset = offload_steps._step_subset
 
     def slow_step(optimizer, params):     # each group's step takes 0.3 s: the thread is busy at exit

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from megatron_fsdp_v2 import OffloadPolicy, fully_shard
+from testing.thread_steps import observe_thread_steps
 
 from .dist_utils import run_distributed
 from .models import Block, UnevenNet, make_batches
@@ -54,15 +55,14 @@ def parity_worker(rank, world_size):
             for fraction, step_in_backward in ((None, False), (0.5, True), (1.0, True)):
                 model = _wrap(strategy, fraction, step_in_backward)
                 opt = _optimizer(model, kind)
+                stepped = observe_thread_steps(model)
                 _train(model, opt, rank)
                 engine = model._fsdp_engine
-                steps = engine.backward_steps
                 handed = sum(g.offloaded is not None for g in engine.groups)     # the root's too
-                out[(strategy, kind, fraction)] = (model.full_state_dict(), steps.groups_stepped if steps else 0,
-                                                   handed)
-                if steps is not None:
-                    fresh = _uploaded_before_step(model, rank)
-                    out[(strategy, kind, fraction, "uploaded")] = (steps.groups_uploaded, fresh)
+                out[(strategy, kind, fraction)] = (model.full_state_dict(), len(stepped), handed)
+                if engine.backward_steps is not None:
+                    fresh = _uploaded_before_step(model, rank)       # one more backward: its groups too
+                    out[(strategy, kind, fraction, "uploaded")] = (sum(r.uploaded for r in stepped), fresh)
     return out
 
 
@@ -311,10 +311,9 @@ def release_worker(rank, world_size):
         model = fully_shard(UnevenNet(), sharding_strategy="optim_grads_params", unit_modules=[Block],
                             offload=offload)
         opt = _optimizer(model, "adamw")
+        stepped = observe_thread_steps(model)
         _train(model, opt, rank)
-        steps = model._fsdp_engine.backward_steps
-        out[release] = (model.full_state_dict(), steps.groups_stepped if steps else 0,
-                        steps.groups_uploaded if steps else 0)
+        out[release] = (model.full_state_dict(), len(stepped), sum(r.uploaded for r in stepped))
     return out
 
 
@@ -329,3 +328,28 @@ def test_released_shards_come_back_from_the_thread_except_the_roots():
             assert all(torch.equal(got[n], want[n]) for n in want), release
             assert stepped == 2 * 4, (release, stepped)
         assert result[False][2] == 2 * 4 and result[True][2] == 2 * 3, (result[False][2], result[True][2])
+
+
+def observer_worker(rank, world_size):
+    torch.manual_seed(0)
+    model = fully_shard(UnevenNet(), sharding_strategy="optim_grads_params", unit_modules=[Block],
+                        offload=OffloadPolicy(fraction=1.0, step_in_backward=True))
+    opt = _optimizer(model, "adamw")
+    _train(model, opt, rank, steps=1)                   # the first step learns the optimizer: no thread
+    records: list = []
+    remove = model._fsdp_engine.backward_steps.add_observer(records.append)
+    _train(model, opt, rank, steps=2)
+    remove()
+    _train(model, opt, rank, steps=1)                   # stepped on the thread, unobserved
+    return [(r.group, r.uploaded, r.handed_over is not None,
+             r.handed_over <= r.began <= r.copied <= r.attached <= r.stepped <= r.upload_started) for r in records]
+
+
+def test_the_thread_reports_each_group_step_to_its_observers_only():
+    """The profiler hook that replaced the thread's counters and timeline: one record per group step
+    (3 blocks and the root, 2 steps), times in order, nothing once removed."""
+    for records in run_distributed(observer_worker, 2):
+        assert len(records) == 2 * 4, records
+        assert all(handed and ordered for _, _, handed, ordered in records), records
+        assert all(uploaded for _, uploaded, _, _ in records), records       # ZeRO-3 uploads each at once
+        assert len({group for group, *_ in records}) == 4, records

@@ -165,3 +165,25 @@ def test_plan_command_fits_100_columns_and_wide_has_every_column(capsys, extra):
     main(README_PLAN + extra + ["--wide"])
     wide = _header(capsys.readouterr().out)
     assert set(WIDE_ONLY) <= set(wide), wide
+
+
+def test_plan_command_json_holds_every_number_of_the_wide_table(capsys):
+    import json
+
+    from megatron_fsdp_v2.plan.__main__ import main
+
+    main(README_PLAN + ["--hybrid", "2x4", "--budget-gib", "20", "--activation-gib", "4"])
+    compact = capsys.readouterr().out
+    main(README_PLAN + ["--hybrid", "2x4", "--budget-gib", "20", "--activation-gib", "4", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert data["world_size"] == 8 and data["budget_bytes"] == 20 << 30 and data["optimizer"] == "adam"
+    names = [c["name"] for c in data["candidates"]]
+    assert names == ["no_shard", "optim", "optim_grads", "optim_grads_params", "no_shard 2x4", "optim 2x4",
+                     "optim_grads 2x4", "optim_grads_params 2x4"], names
+    assert f"chosen {data['chosen']}" in compact and f"runner-up {data['runner_up']}" in compact
+    for candidate in data["candidates"]:
+        assert candidate["peak_bytes"] == candidate["persistent_bytes"] + candidate["temporaries"]["peak"]
+        assert candidate["persistent_bytes"] == max(r["total"] for r in candidate["ranks"])
+        assert candidate["peak_with_activations"] >= candidate["peak_bytes"]
+    zero3 = data["candidates"][3]
+    assert zero3["comm"]["all_gather"]["count"] > 0 and zero3["moved_bytes"] == zero3["wire_bytes"]

@@ -26,7 +26,7 @@ output, a reduce-scatter's input, an all-reduce's tensor), per unit:
   sharded over the inner group, replicated across the outer): the same three per micro-batch over
   the inner group with P_u(N_in); per step one all-reduce of the reduced grad shard g*S_u(N_in)
   over the outer group ("across_replicas").
-* HFSDP (the same call with ``outer_sharding_strategy="optim"``; replicas.py, [Note: sharding
+* HFSDP (the same call with ``outer_sharding_strategy="optim"``; comm/replicas.py, [Note: sharding
   across replicas (HFSDP)]): the buffer is laid out over the whole world, P_u(N) (flat ZeRO-3's
   padding), main weights, grads and Adam state sharded over all N ranks, compute weights gathered
   inside the node. Per micro-batch over the inner group: each of the three collectives is N_out

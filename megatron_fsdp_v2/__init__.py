@@ -7,7 +7,7 @@ demand, so the core runs with torch alone.
 from .checkpoint import (CheckpointCorruptError, ChecksummedFileSystemWriter, SafeFileSystemReader, UnsafeCheckpointError,
                          export_full_state_dict, load_checkpoint, load_optimizer_state_dict, optimizer_state_dict,
                          save_checkpoint)
-from .collective_ledger import CollectiveMismatchError
+from .comm.ledger import CollectiveMismatchError
 from .fully_shard import FullyShardedModule, fully_shard
 from .summon import summon_full_params
 from .mixed_precision import MixedPrecisionPolicy

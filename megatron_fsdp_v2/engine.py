@@ -74,7 +74,7 @@ class Engine:
         self.strategy = strategy
         self.allocator = allocator
         self.comm = comm
-        self.replicas = replicas                 # hybrid sharding: the outer group (replicas.py)
+        self.replicas = replicas                 # hybrid sharding: the outer group (comm/replicas.py)
         self.experts = experts                   # expert parameters' group, or None (experts.py)
         self.world = world                       # HFSDP: the whole world the main weights are sharded over
         self.groups = [g for u in units for g in u.groups]
@@ -361,7 +361,7 @@ class Engine:
 
     def _reduce_across_replicas(self) -> None:
         """Hybrid sharding: average every group's freshly reduced gradients across the replicas
-        (once the inner reduces are waited for; replicas.py, [Note: hybrid sharding])."""
+        (once the inner reduces are waited for; comm/replicas.py, [Note: hybrid sharding])."""
         if self.replicas is None:
             return
         for group in self.groups:

@@ -346,7 +346,7 @@ def fully_shard(
         process_group: the data-parallel group (default: the world); or, for hybrid sharding
             (HSDP), an ``(outer, inner)`` pair of groups or a 2-D DeviceMesh ``(replicate, shard)``:
             shards within ``inner``, gradients averaged across ``outer`` once per step
-            (replicas.py, [Note: hybrid sharding]).
+            (comm/replicas.py, [Note: hybrid sharding]).
         unit_modules: module classes whose every instance is its own unit (all-gather/reshard and
             gradient-reduction granularity); the rest of the model is the root unit.
         mixed_precision: dtypes of compute weights, main weights, grads and grad collectives.
@@ -377,7 +377,7 @@ def fully_shard(
             main weights and optimizer state of its shard) or ``"optim"`` (HFSDP, Megatron's
             ``outer_dp_sharding_strategy``: main weights, gradients and optimizer state sharded over
             inner x outer, compute weights gathered within the inner group; inner strategy
-            ``optim``, ``optim_grads`` or ``optim_grads_params``; replicas.py, [Note: sharding across replicas
+            ``optim``, ``optim_grads`` or ``optim_grads_params``; comm/replicas.py, [Note: sharding across replicas
             (HFSDP)]).
         reduce_root_per_child: the root unit's parameters form one group per top-level child
             module (and one for the root's own) instead of one. ZeRO-3: a group whose gradients

@@ -10,7 +10,7 @@ from typing import Optional, Sequence
 import torch
 
 from .comm import PendingCollective, wait_pending
-from .replicas import reduce_blocks
+from .comm.replicas import reduce_blocks
 from .trainable_pack import TrainablePack, trainable_pack
 
 __all__ = ["GroupReduce"]
@@ -64,7 +64,7 @@ class GroupReduce:
         self.grads_ready = [False] * len(self.params)
 
     def _reduce_blocks(self, full: torch.Tensor, release_input, divide_factor: float):
-        """HFSDP: N_out inner reduce-scatters into the inner gradient shard (replicas.py)."""
+        """HFSDP: N_out inner reduce-scatters into the inner gradient shard (comm/replicas.py)."""
         inner, outer = self.levels
         inner_out = torch.empty(self.layout.shard_numel * outer.size, dtype=full.dtype, device=self.device)
         works = reduce_blocks(inner, inner_out, full, self.layout.shard_numel, outer.size, f"grads of {self.name}")
@@ -149,7 +149,7 @@ class GroupReduce:
     def reduce_across_replicas(self, replicas) -> None:
         """Hybrid sharding: average the reduced gradients this rank holds (its shard; DDP: all;
         only the trainable part of a partly frozen group) across the replicas of its shard, if a
-        reduce landed since the last average (replicas.py)."""
+        reduce landed since the last average (comm/replicas.py)."""
         if not self.awaiting_replica_reduce:
             return
         self.awaiting_replica_reduce = False

@@ -38,7 +38,7 @@ from .offload import OffloadedGroup
 from .row_sharded import sharded_rows
 from .shard_order import add_rank_major, natural_from_gathered
 from .mixed_precision import GroupDtypes
-from .replicas import gather_blocks
+from .comm.replicas import gather_blocks
 from .strategy import ShardingStrategy
 
 
@@ -97,7 +97,7 @@ class ParamGroup(GroupExport, GroupOffload, GroupReduce):
     # -- offload (group_offload.py)
     offloaded: Optional[OffloadedGroup]  # the host main shard and gradients (None: on the device)
 
-    # -- hybrid levels (HFSDP, replicas.py)
+    # -- hybrid levels (HFSDP, comm/replicas.py)
     levels: Optional[tuple[Communicator, Communicator]]   # (inner, outer); comm is then the whole world
     inner_weights: Optional[torch.Tensor]   # ZeRO-3: this rank's inner shard of the compute weights
     _inner_grad: Optional[torch.Tensor]     # inner-reduced grads awaiting the outer reduce
@@ -146,7 +146,7 @@ class ParamGroup(GroupExport, GroupOffload, GroupReduce):
         # parameters whose class gathers them (FSDP2's extension protocol): their compute weights are
         # that class's (e.g. float8), not a flat buffer of ours (extension_weights.py)
         self.extension = extension
-        # HFSDP (replicas.py, [Note: sharding across replicas (HFSDP)]): (inner, outer) Communicators;
+        # HFSDP (comm/replicas.py, [Note: sharding across replicas (HFSDP)]): (inner, outer) Communicators;
         # ``comm`` is then the whole data-parallel world the main weights are sharded over.
         self.levels = levels
         self.inner_weights = None     # HFSDP ZeRO-3: this rank's inner shard

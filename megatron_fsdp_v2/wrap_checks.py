@@ -16,7 +16,7 @@ import torch.nn as nn
 from .extension_protocol import check_param_types
 from .comm import Communicator, all_gather_single
 from .experts import check_expert_arguments, check_expert_group_inside
-from .replicas import HFSDP_STRATEGIES, split_process_group
+from .comm.replicas import HFSDP_STRATEGIES, split_process_group
 from .row_sharded import dispatch_reaches_subclasses, mesh_of_group
 from .strategy import get_strategy
 
@@ -95,7 +95,7 @@ def check_outer_sharding(outer_sharding_strategy: str, strategy, inner: Communic
 
 
 def check_row_snapped_dtensors(device: torch.device) -> None:
-    """HFSDP's parameters are row-snapped pieces over the whole world (replicas.py), which only the
+    """HFSDP's parameters are row-snapped pieces over the whole world (comm/replicas.py), which only the
     DTensor subclass RowShardedTensor can express; a torch build whose DTensor dispatch skips
     subclasses (torch 2.11: pytorch/pytorch#167051, fixed by #177878) would compute ops on them by
     torch.chunk's rows, silently wrong. Refused there; the same torch on every rank, so every rank

@@ -20,7 +20,7 @@ from .integrity import ChecksummedFileSystemWriter, CheckpointCorruptError
 from .collective_errors import gather_reports, raise_on_every_rank, raise_reported
 from .safe_reader import SafeFileSystemReader, TensorsOnlyLoadPlanner, UnsafeCheckpointError
 
-from ..collective_ledger import before_collective
+from ..comm.ledger import before_collective
 from ..experts import expert_names_refusal
 
 from .state_dict import (_CLASS_BYTES, CLASS_KEY, _decode_class, _missing_state, _model_shapes, _optimizer_mismatch,

@@ -162,7 +162,7 @@ class FullyShardedDataParallel(DistributedDataParallel):
                                            auto_strategy)
         dp_group = data_parallel_group(pg_collection)
         # --num-distributed-optimizer-instances N: hybrid sharding, each instance shards within
-        # its ranks (Megatron's intra group) and the instances average gradients (replicas.py)
+        # its ranks (Megatron's intra group) and the instances average gradients (comm/replicas.py)
         shard_group, replica_group = dp_group, None
         if ddp_config.num_distributed_optimizer_instances > 1:
             shard_group, replica_group = optimizer_instance_groups(pg_collection)

@@ -37,7 +37,7 @@ def data_parallel_group(pg_collection):
 
 def optimizer_instance_groups(pg_collection):
     """(the ranks of this distributed-optimizer instance, the group linking the instances):
-    Megatron's ``intra_dp_cp`` and ``inter_dist_opt`` groups (hybrid sharding, replicas.py)."""
+    Megatron's ``intra_dp_cp`` and ``inter_dist_opt`` groups (hybrid sharding, comm/replicas.py)."""
     if pg_collection is not None:
         shard, replica = getattr(pg_collection, "intra_dp_cp", None), getattr(pg_collection, "inter_dist_opt", None)
         if shard is None or replica is None:

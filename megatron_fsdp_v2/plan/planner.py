@@ -62,7 +62,7 @@ def _check(module, optimizer, micro_batches, mixed_precision) -> None:
 
 
 def _buffer_bytes(module: nn.Module) -> list:
-    """Bytes of each per-dtype broadcast ``broadcast_buffers`` sends (comm.py coalesces by dtype)."""
+    """Bytes of each per-dtype broadcast ``broadcast_buffers`` sends (comm/collectives.py coalesces by dtype)."""
     by_dtype: dict = {}
     for buffer in module.buffers():
         if buffer.numel():

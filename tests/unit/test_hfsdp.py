@@ -1,6 +1,6 @@
 """HFSDP: ``fully_shard(..., process_group=(outer, inner), outer_sharding_strategy="optim")``: main
 weights, gradients and optimizer state sharded over the whole world, compute weights gathered in
-the inner group only (replicas.py, [Note: sharding across replicas (HFSDP)]).
+the inner group only (comm/replicas.py, [Note: sharding across replicas (HFSDP)]).
 
 CPU gloo at 4 ranks (2 replicas x 2 shards, groups and a 2-D mesh) and 8 ranks (2 x 4), inner
 ``optim``, ``optim_grads`` and ``optim_grads_params``:

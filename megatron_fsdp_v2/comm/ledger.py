@@ -3,7 +3,7 @@
 [Note: ranks that issue different collectives]
 Ranks whose control flow differs (a unit skipped on one rank, ``save_checkpoint`` called on rank 0
 only) issue different collectives. gloo then aborts the process (SIGABRT) or reads garbage, NCCL
-hangs until its timeout: no Python error names the cause. So every collective of ours (comm.py's,
+hangs until its timeout: no Python error names the cause. So every collective of ours (collectives.py's,
 and the save / load functions' exchanges) is first written into its process group's ledger: a
 sequence number and what it is for (kind, element count, dtype, label naming the unit and group).
 What the ledger then does depends on the backend, chosen by cost:
@@ -13,7 +13,7 @@ What the ledger then does depends on the backend, chosen by cost:
                ``CollectiveMismatchError`` naming each rank's call (one small all_gather_object,
                on that error path only). A gloo collective costs tens of microseconds already.
   NCCL, other  record only (a tuple into a ring of the last ``RING`` calls: a few microseconds,
-               host only, no sync), plus a watchdog thread (ledger_watchdog.py): when a
+               host only, no sync), plus a watchdog thread (watchdog.py): when a
                group's ledger has not moved for ``MEGATRON_FSDP_V2_STALL_SECONDS`` (60 s by
                default) it compares the ranks' rings through the c10d store and reports the first
                call where they differ, and arms the error for this rank's next collective of ours.
@@ -146,7 +146,7 @@ class CollectiveLedger:
         every rank's call and the call before it, then the error on every rank. Python dispatch
         modes (a user's collective counter, a fake-tensor mode) do not see this bookkeeping: it is
         no collective of the model's."""
-        from .comm import all_gather_single
+        from .collectives import all_gather_single
 
         with _disable_current_modes():
             mine = torch.tensor([self.count, zlib.crc32(describe(call).encode())], dtype=torch.int64, device=device)
@@ -199,17 +199,17 @@ def ledger_for(group: Optional[dist.ProcessGroup]) -> CollectiveLedger:
 
 def ledger_and_mode(group: Optional[dist.ProcessGroup]) -> "tuple[CollectiveLedger, LedgerMode]":
     """``group``'s ledger and the mode to use it in now; a recorded group of several ranks on a
-    backend with a store (not torch's fake one) gets the watchdog (ledger_watchdog.py)."""
+    backend with a store (not torch's fake one) gets the watchdog (watchdog.py)."""
     ledger, mode = ledger_for(group), mode_for(group)
     if mode is LedgerMode.RECORD and ledger.size > 1 and dist.get_backend(group) != "fake":
-        from .ledger_watchdog import watch
+        from .watchdog import watch
         watch(ledger)
     return ledger, mode
 
 
 def before_collective(group: Optional[dist.ProcessGroup], kind: str, label: str,
                       tensor: Optional[torch.Tensor] = None) -> None:
-    """For a collective issued outside comm.py (the save / load functions' exchanges): record it in
+    """For a collective issued outside collectives.py (the save / load functions' exchanges): record it in
     ``group``'s ledger and check it as the group's backend and the environment say."""
     ledger, mode = ledger_and_mode(group)
     ledger.before(kind, tensor, label, mode)

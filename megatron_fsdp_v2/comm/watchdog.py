@@ -3,7 +3,7 @@
 [Note: comparing ledgers after a stall]
 On NCCL a rank that issued a different collective does not fail: it queues more work and the job
 hangs at the next host sync, until NCCL's own timeout aborts it with no word of the cause. The
-ledgers (collective_ledger.py) know the cause. One daemon thread per process looks at every
+ledgers (ledger.py) know the cause. One daemon thread per process looks at every
 recorded group's ledger every ``poll`` seconds (an integer read). When a ledger has not moved for
 ``stall_s`` (``MEGATRON_FSDP_V2_STALL_SECONDS``, default 60), the thread publishes its ring
 (sequence numbers and call descriptions, JSON) under
@@ -33,8 +33,8 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from .collective_ledger import RING, CollectiveLedger, describe, mismatch_error
-from .thread_shutdown import join_thread, shut_down_at_exit
+from .ledger import RING, CollectiveLedger, describe, mismatch_error
+from ..thread_shutdown import join_thread, shut_down_at_exit
 
 __all__ = ["STALL_ENV", "LedgerWatchdog", "first_difference", "watch"]
 

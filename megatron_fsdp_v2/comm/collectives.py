@@ -3,7 +3,7 @@
 Every collective of the core goes through here (the schedule's all-gathers, reduce-scatters and
 all-reduces, the gradient-norm all-reduce, buffer and parameter broadcasts, the wrap-time checks
 that ranks agree; checkpoint I/O uses torch.distributed.checkpoint's own), so ``comm_stats()`` is exact and
-the group's ledger (collective_ledger.py, [Note: ranks that issue different collectives]) sees them all;
+the group's ledger (ledger.py, [Note: ranks that issue different collectives]) sees them all;
 ``fully_shard`` resets the counts once the model is wrapped. Bytes are counted as the full
 buffer a collective covers (the gathered output of an all-gather, the input of a reduce-scatter,
 the tensor of an all-reduce), which is what the ZeRO papers call "Psi" per collective.
@@ -34,7 +34,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
-from .collective_ledger import CollectiveLedger, LedgerMode, ledger_and_mode
+from .ledger import CollectiveLedger, LedgerMode, ledger_and_mode
 
 
 class PendingCollective(NamedTuple):

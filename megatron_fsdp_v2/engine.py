@@ -34,7 +34,7 @@ import torch
 import torch.nn as nn
 from torch.autograd import Variable
 
-from .experts import clip_norm_terms
+from .wrap.experts import clip_norm_terms
 from .grad_hooks import GradHooks, refuse_tensor_hooks
 from .optimizer_hook import watch_optimizer_steps
 from .comm import PendingCollective
@@ -75,7 +75,7 @@ class Engine:
         self.allocator = allocator
         self.comm = comm
         self.replicas = replicas                 # hybrid sharding: the outer group (comm/replicas.py)
-        self.experts = experts                   # expert parameters' group, or None (experts.py)
+        self.experts = experts                   # expert parameters' group, or None (wrap/experts.py)
         self.world = world                       # HFSDP: the whole world the main weights are sharded over
         self.groups = [g for u in units for g in u.groups]
         self.phase = PhaseMachine()
@@ -471,7 +471,7 @@ class Engine:
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip main grads by the global norm over all ranks' shards (fp32, one scalar all-reduce;
-        with expert groups one more: experts.py, [Note: expert parameters])."""
+        with expert groups one more: wrap/experts.py, [Note: expert parameters])."""
         self._check_steps_idle("clip_grad_norm_")
         norm_type = float(norm_type)
         inf = norm_type == float("inf")

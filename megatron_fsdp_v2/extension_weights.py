@@ -1,6 +1,6 @@
 """The compute weights of a group whose parameters gather through FSDP2's extension protocol.
 
-A ParamGroup of such parameters (units.py puts them in groups of their own) keeps its fp32 main
+A ParamGroup of such parameters (wrap/units.py puts them in groups of their own) keeps its fp32 main
 weights as any group does; only the compute weights differ. Where a plain group casts its main
 shard into a flat compute buffer and gathers that, this one asks each parameter's class
 (extension_protocol.py, [Note: gathered through the tensor's own protocol]):

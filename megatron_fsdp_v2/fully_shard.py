@@ -17,10 +17,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .allocators import Allocator, make_allocator
-from .build_units import build_units, initialize_units_from_meta, install_extension_params, prepare_model
+from .wrap.build_units import build_units, initialize_units_from_meta, install_extension_params, prepare_model
 from .checkpoint.state_dict import load_model_state_dict, model_state_dict
 from .engine import Engine
-from .experts import expert_names_refusal
+from .wrap.experts import expert_names_refusal
 from .grad_buffer import reserve_gradient_segment
 from .main_segment import compact
 from .layout import default_alignment  # noqa: F401  (fully_shard.default_alignment, as before)
@@ -29,10 +29,10 @@ from .offload import HostLink, OffloadPolicy, choose_offloaded, release_shards_a
 from .offload_steps import install_backward_steps
 from .param_swap import ParamSlots
 from .plan.resolve import AutoStrategy, resolve_auto_strategy
-from .rank_agreement import agree_on_wrap
+from .wrap.rank_agreement import agree_on_wrap
 from .strategy import STRATEGY_NAMES, ShardingStrategy
 from .summon import summon_full_params
-from .wrap_checks import (check_outer_sharding, check_wrap_arguments, group_device, sync_start_values,
+from .wrap.checks import (check_outer_sharding, check_wrap_arguments, group_device, sync_start_values,
                           wrap_communicators)
 
 
@@ -367,11 +367,11 @@ def fully_shard(
             rank's rows ``[rows_here, *shape[1:]]`` (what Megatron's optimizer expects; clip with
             ``model.clip_grad_norm_``). ``no_shard`` parameters are always plain whole tensors.
         init_fn: for a module built on the meta device: called on every submodule (children before
-            their parent) instead of its ``reset_parameters()`` (meta_init.py, [Note: initializing
+            their parent) instead of its ``reset_parameters()`` (wrap/meta_init.py, [Note: initializing
             from meta]); ignored for a module whose parameters exist.
         expert_process_group: mixture-of-experts: the expert-data-parallel group (the ranks holding
             the same experts); the parameters ``expert_params(name, param)`` selects are sharded and
-            reduced over it, the rest over ``process_group`` (experts.py, [Note: expert parameters]).
+            reduced over it, the rest over ``process_group`` (wrap/experts.py, [Note: expert parameters]).
         expert_params: which parameters are experts (given with ``expert_process_group``).
         outer_sharding_strategy: hybrid sharding only: ``"no_shard"`` (HSDP: each replica keeps all
             main weights and optimizer state of its shard) or ``"optim"`` (HFSDP, Megatron's

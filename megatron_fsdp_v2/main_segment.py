@@ -19,7 +19,7 @@ before the main parameters (possibly DTensors, which cannot be re-pointed) are m
 this rank's main shards twice for a moment: 8 bytes per parameter / dp in fp32, below what the
 first step holds (16 / dp) and, for a model wrapped on the device, below the model it started from
 (dp >= 2) or equal to it (dp = 1). From meta there is nothing to move: the groups wait for the
-segment without a buffer, and meta_init.py writes the values into it. Groups that ``set_offload``
+segment without a buffer, and wrap/meta_init.py writes the values into it. Groups that ``set_offload``
 later moves to the host leave holes: ``compact`` again moves the others into a new segment.
 """
 

@@ -49,7 +49,7 @@ class ParamGroup(GroupExport, GroupOffload, GroupReduce):
     write some of them later but add none)."""
 
     # -- layout and strategy: what the group is made of and how it is sharded
-    name: str                            # the group's tag (units.py); the allocator's keys start with it
+    name: str                            # the group's tag (wrap/units.py); the allocator's keys start with it
     params: list[nn.Parameter]           # the module's parameters (extension groups: then their compute parameters)
     param_names: list[str]               # each parameter's first name in the module
     shapes: list[torch.Size]             # each parameter's shape as wrapped
@@ -104,7 +104,7 @@ class ParamGroup(GroupExport, GroupOffload, GroupReduce):
 
     # -- export (checkpoints, nested wraps)
     all_names: list                      # per parameter: every name it is reached by (tied parameters: several)
-    param_dtype: torch.dtype             # the parameters' dtype before wrapping (nested.py gives it back)
+    param_dtype: torch.dtype             # the parameters' dtype before wrapping (wrap/nested.py gives it back)
 
     # -- FSDP2's extension protocol (e.g. float8)
     extension: Optional[ExtensionWeights]   # parameters whose class gathers them (extension_weights.py)
@@ -207,7 +207,7 @@ class ParamGroup(GroupExport, GroupOffload, GroupReduce):
         dt = self.dtypes
         # main_segment: the main shard moves into the rank's main segment once every group is built
         # (main_segment.py); the main parameters are made after that move (``make_main_params``).
-        # From meta the values come later (meta_init.py): no buffer before the segment's.
+        # From meta the values come later (wrap/meta_init.py): no buffer before the segment's.
         self.main_in_segment = main_segment and offload is None
         self.main_shard = None if self.main_in_segment and from_meta else self._own_main_values()
         self.compute_weights_are_main_weights = (not self.strategy.optim_sharded and dt.compute == dt.main
@@ -345,7 +345,7 @@ class ParamGroup(GroupExport, GroupOffload, GroupReduce):
 
     def write_main_values(self, index: int, full: torch.Tensor) -> None:
         """Store parameter ``index``'s values (a full tensor) in this rank's main weights (a model
-        initialized from meta: meta_init.py). The compute weights follow at the next rebuild."""
+        initialized from meta: wrap/meta_init.py). The compute weights follow at the next rebuild."""
         with torch.no_grad():
             local = self.main_locals[index]
             local.copy_(self._own_values(index, full).view(local.shape))

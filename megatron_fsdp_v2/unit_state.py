@@ -1,6 +1,6 @@
 """A unit at run time: its groups, gathered and resharded together (``Unit``), and the order units
 ran in the first forward, which picks what to prefetch (``ForwardOrder``). Which module
-instances are units is decided at wrap time (units.py); when each verb runs, by the engine."""
+instances are units is decided at wrap time (wrap/units.py); when each verb runs, by the engine."""
 
 from __future__ import annotations
 

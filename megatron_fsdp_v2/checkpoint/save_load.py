@@ -21,7 +21,7 @@ from .collective_errors import gather_reports, raise_on_every_rank, raise_report
 from .safe_reader import SafeFileSystemReader, TensorsOnlyLoadPlanner, UnsafeCheckpointError
 
 from ..comm.ledger import before_collective
-from ..experts import expert_names_refusal
+from ..wrap.experts import expert_names_refusal
 
 from .state_dict import (_CLASS_BYTES, CLASS_KEY, _decode_class, _missing_state, _model_shapes, _optimizer_mismatch,
                          _optimizer_params, _optimizer_targets, _raise_if_mismatched, _sharded_module, _torch_optimizer,

@@ -1,6 +1,6 @@
 """The groups ``fully_shard`` would build for a module, without building them.
 
-Every step here is the code ``fully_shard`` runs (units.py ``assign_units`` / ``group_specs``,
+Every step here is the code ``fully_shard`` runs (wrap/units.py ``assign_units`` / ``group_specs``,
 mixed_precision.py ``resolve_dtypes``, layout.py ``build_layout``), applied to parameter shapes
 alone, so a model on the meta device is enough and the plan cannot drift from the engine.
 """
@@ -14,7 +14,7 @@ import torch.nn as nn
 
 from ..layout import FlatLayout, build_layout
 from ..mixed_precision import GroupDtypes, MixedPrecisionPolicy, full_precision_param_ids, resolve_dtypes
-from ..units import assign_units, group_specs
+from ..wrap.units import assign_units, group_specs
 
 __all__ = ["PlannedGroup", "PlannedUnit", "planned_units"]
 

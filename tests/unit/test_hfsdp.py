@@ -145,7 +145,7 @@ def test_hfsdp_refuses_what_it_cannot_shard_on_every_rank():
 
 def bypass_worker(rank, world):
     """HFSDP on a torch whose DTensor dispatch skips subclasses (torch 2.11): stood in for by the probe."""
-    import megatron_fsdp_v2.wrap_checks as wrap_checks
+    import megatron_fsdp_v2.wrap.checks as wrap_checks
     outer, inner = _hybrid_groups(world, 2)
     out = {"reaches": wrap_checks.dispatch_reaches_subclasses(wrap_checks.mesh_of_group(None, torch.device("cpu")))}
     real = wrap_checks.dispatch_reaches_subclasses

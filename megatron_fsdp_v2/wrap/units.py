@@ -14,7 +14,7 @@ from typing import Iterable, Optional, Sequence
 
 import torch.nn as nn
 
-from .extension_protocol import has_protocol
+from ..extension_protocol import has_protocol
 
 
 @dataclass

@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .optimizer_hook import mark_replaced, unwatch_optimizer_steps
-from .phase import Phase
+from ..optimizer_hook import mark_replaced, unwatch_optimizer_steps
+from ..phase import Phase
 
 
 def _group_ranks(group) -> list[int]:

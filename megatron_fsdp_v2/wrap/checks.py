@@ -13,12 +13,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .extension_protocol import check_param_types
-from .comm import Communicator, all_gather_single
+from ..extension_protocol import check_param_types
+from ..comm import Communicator, all_gather_single
 from .experts import check_expert_arguments, check_expert_group_inside
-from .comm.replicas import HFSDP_STRATEGIES, split_process_group
-from .row_sharded import dispatch_reaches_subclasses, mesh_of_group
-from .strategy import get_strategy
+from ..comm.replicas import HFSDP_STRATEGIES, split_process_group
+from ..row_sharded import dispatch_reaches_subclasses, mesh_of_group
+from ..strategy import get_strategy
 
 __all__ = ["check_hybrid_groups", "check_outer_sharding", "check_params", "check_process_group",
            "check_same_model_on_all_ranks", "group_device", "sync_module_states"]

@@ -14,7 +14,7 @@ import hashlib
 import torch
 import torch.distributed as dist
 
-from .wrap_checks import check_same_model_on_all_ranks
+from .checks import check_same_model_on_all_ranks
 
 
 def _digest(text: str) -> int:

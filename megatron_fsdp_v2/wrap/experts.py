@@ -91,7 +91,7 @@ def expert_names_refusal(what: str) -> ValueError:
 def clip_norm_terms(engine, groups, comm, norm_type: float) -> torch.Tensor:
     """This rank's share of the gradient norm (sum of |g|^p, or the max for inf) of ``groups``,
     made whole over ``comm`` when the strategy shards gradients' owners over it."""
-    from .row_sharded import local_piece
+    from ..row_sharded import local_piece
 
     inf = norm_type == float("inf")
     grads = [local_piece(m.grad) for g in groups for m in g.main_params

@@ -19,7 +19,7 @@ import torch.nn as nn
 from .allocators import Allocator, make_allocator
 from .wrap.build_units import build_units, initialize_units_from_meta, install_extension_params, prepare_model
 from .checkpoint.state_dict import load_model_state_dict, model_state_dict
-from .engine import Engine
+from .runtime.engine import Engine
 from .wrap.experts import expert_names_refusal
 from .grad_buffer import reserve_gradient_segment
 from .main_segment import compact
@@ -27,7 +27,7 @@ from .layout import default_alignment  # noqa: F401  (fully_shard.default_alignm
 from .mixed_precision import MixedPrecisionPolicy
 from .offload import HostLink, OffloadPolicy, choose_offloaded, release_shards_after_gathers
 from .offload_steps import install_backward_steps
-from .param_swap import ParamSlots
+from .runtime.param_swap import ParamSlots
 from .plan.resolve import AutoStrategy, resolve_auto_strategy
 from .wrap.rank_agreement import agree_on_wrap
 from .strategy import STRATEGY_NAMES, ShardingStrategy
@@ -356,7 +356,7 @@ def fully_shard(
         broadcast_buffers: overwrite the buffers (e.g. BatchNorm statistics) with rank 0's before
             a forward, by torch DDP's rule for its switch of the same name (default on): the first
             forward and every forward after a grad-enabled forward outside ``no_sync()``
-            (engine.py, [Note: buffers as DDP]).
+            (runtime/engine.py, [Note: buffers as DDP]).
         unused_param_grads: ``"none"`` (torch DDP / FSDP2): a parameter no rank used keeps
             ``.grad = None``, so optimizers skip it; ``"zeros"``: it gets a zero gradient
             (Megatron DDP's ``main_grad`` semantics).
@@ -409,7 +409,7 @@ def fully_shard(
     keeping its own ``mixed_precision`` (FSDP2's nesting: wrap the blocks, then the root). Every
     rank starts from rank 0's parameters and buffers.
 
-    Hooks on ``model.parameters()`` (grad_hooks.py, [Note: hooks on sharded parameters]):
+    Hooks on ``model.parameters()`` (runtime/grad_hooks.py, [Note: hooks on sharded parameters]):
     ``register_post_accumulate_grad_hook(hook)`` runs ``hook(param)`` once ``param.grad`` holds the
     reduced gradient (the end of a backward outside ``no_sync()``, or ``reduce_gradients()``), as
     FSDP2 does, so an optimizer may step there; ``register_hook`` is refused at the next forward.
@@ -451,7 +451,7 @@ def fully_shard(
 
 def _install_engine(module: nn.Module, units: list, strategy, alloc, groups, world, dtensor_params: bool) -> Engine:
     """Swap the module's class for its FullySharded subclass and start the engine's hooks; between
-    steps the module's attributes hold the main parameters (param_swap.py)."""
+    steps the module's attributes hold the main parameters (runtime/param_swap.py)."""
     main_by_param = {id(param): main for unit in units for group in unit.groups
                      for param, main in zip(group.params, group.main_params)}
     main_params = OrderedDict()

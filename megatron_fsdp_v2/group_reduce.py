@@ -51,7 +51,7 @@ class GroupReduce:
 
     def _drop_unreduced(self) -> None:
         """Forget local gradients no parameter of the group needs any more (every parameter frozen
-        since the accumulation began, requires_grad_sync.py). Their ``.grad`` stays None; ZeRO-1
+        since the accumulation began, runtime/requires_grad_sync.py). Their ``.grad`` stays None; ZeRO-1
         puts back the mean an earlier backward of the step left in its region."""
         self._unreduced.clear()
         if self._stash is not None:
@@ -191,7 +191,7 @@ class GroupReduce:
     def _holding_local_grads(self) -> list:
         """Per parameter, whether it may hold local gradients this reduce must take: DDP / ZeRO-1
         accumulate over the step (``reduced``: trainable at any forward since the accumulation
-        began, requires_grad_sync.py); ZeRO-2/3 reduce every micro-batch, so only what this
+        began, runtime/requires_grad_sync.py); ZeRO-2/3 reduce every micro-batch, so only what this
         backward trained holds any (an earlier micro-batch's gradients are in the shard already)."""
         return self.trainable if self.strategy.reduce_every_microbatch else self.reduced
 

@@ -13,7 +13,7 @@ A group owns, per ``strategy.py``'s table:
   them; otherwise, once the reduced gradients are attached as the optimizer's ``.grad``, those
   views alone hold the buffer (grad_buffer.py, [Note: gradient buffers live as long as .grad]).
 
-The engine (``engine.py``) decides *when* to call ``unshard`` / ``reshard`` / ``reduce_grad`` (group_reduce.py);
+The engine (``runtime/engine.py``) decides *when* to call ``unshard`` / ``reshard`` / ``reduce_grad`` (group_reduce.py);
 this file decides *how*, from the table's booleans.
 """
 

@@ -15,8 +15,8 @@ import contextlib
 import torch
 import torch.nn as nn
 
-from .param_swap import register_in_place_of
-from .phase import Phase
+from .runtime.param_swap import register_in_place_of
+from .runtime.phase import Phase
 from .shard_order import own_from_natural
 
 

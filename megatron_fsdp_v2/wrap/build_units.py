@@ -21,13 +21,13 @@ from .meta_init import has_meta_state, initialize_meta_model, replace_meta_param
 from ..mixed_precision import full_precision_param_ids, resolve_dtypes
 from .nested import absorb_wrapped_submodules
 from ..offload import HostLink, choose_offloaded, offload_choice_bytes
-from ..optimizer_hook import mark_replaced
+from ..runtime.optimizer_hook import mark_replaced
 from ..grad_buffer import reserve_gradient_segment
 from ..main_segment import compact, shares_main_segment
 from ..param_group import ParamGroup
-from ..param_swap import register_in_place_of
+from ..runtime.param_swap import register_in_place_of
 from ..row_sharded import mesh_of_group
-from ..unit_state import Unit
+from ..runtime.unit_state import Unit
 from .units import assign_units, group_specs
 from .checks import WrapGroups, check_params, group_device
 

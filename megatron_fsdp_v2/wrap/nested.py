@@ -8,7 +8,7 @@ policy. The outer call then shards everything once, as if it had been given thos
 
 What cannot compose raises, naming the submodule: a different strategy or process group, or an
 inner model in the middle of a step. Optimizers built on an inner model's parameters are stale
-afterwards (the step check in ``optimizer_hook.py`` names them).
+afterwards (the step check in ``runtime/optimizer_hook.py`` names them).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..optimizer_hook import mark_replaced, unwatch_optimizer_steps
-from ..phase import Phase
+from ..runtime.optimizer_hook import mark_replaced, unwatch_optimizer_steps
+from ..runtime.phase import Phase
 
 
 def _group_ranks(group) -> list[int]:

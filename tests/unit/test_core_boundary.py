@@ -18,7 +18,7 @@ import torch
 import megatron_fsdp_v2
 from megatron_fsdp_v2 import STRATEGY_NAMES, FullyShardedModule, fully_shard
 from megatron_fsdp_v2.row_sharded import local_piece
-from megatron_fsdp_v2.phase import Phase, PhaseMachine
+from megatron_fsdp_v2.runtime.phase import Phase, PhaseMachine
 
 from .dist_utils import run_distributed
 from .models import Block, UnevenNet, make_batches

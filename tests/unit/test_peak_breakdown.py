@@ -148,7 +148,7 @@ def test_trace_without_markers_and_earlier_events():
     ([fr(FSDP + "_fsdp_collectives.py", "foreach_all_gather"), fr(MCORE + "attention.py", "forward")], "step",
      ("fsdp2", "fsdp2 _fsdp_collectives.py:foreach_all_gather")),
     # the innermost owning frame wins: our hook inside Megatron's forward is ours
-    ([fr("/t/torch/_tensor.py", "new_empty"), fr(OURS + "engine.py", "pre_forward"),
+    ([fr("/t/torch/_tensor.py", "new_empty"), fr(OURS + "runtime/engine.py", "pre_forward"),
       fr(MCORE + "transformer_block.py", "forward")], "step", ("ours", "ours engine.py:pre_forward")),
     # ours' buffer allocators name their caller
     ([fr(OURS + "allocators/storage_freeing.py", "_allocate"), fr(OURS + "allocators/base.py", "allocate"),

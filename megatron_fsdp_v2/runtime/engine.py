@@ -34,17 +34,17 @@ import torch
 import torch.nn as nn
 from torch.autograd import Variable
 
-from .wrap.experts import clip_norm_terms
+from ..wrap.experts import clip_norm_terms
 from .grad_hooks import GradHooks, refuse_tensor_hooks
 from .optimizer_hook import watch_optimizer_steps
-from .comm import PendingCollective
-from .param_group import ParamGroup
+from ..comm import PendingCollective
+from ..param_group import ParamGroup
 from .param_swap import ParamSlots
 from .phase import Phase, PhaseMachine
 from .pre_backward import ForwardRecord, SavedWeightHooks, tensors_needing_grad
-from .row_sharded import local_piece
+from ..row_sharded import local_piece
 from .requires_grad_sync import accumulation_ended, sync_requires_grad
-from .strategy import ShardingStrategy
+from ..strategy import ShardingStrategy
 from .unit_state import ForwardOrder, Unit  # noqa: F401  (Unit: also engine.Unit)
 
 

@@ -82,7 +82,7 @@ if str(REPO) not in sys.path:                  # this checkout's megatron_fsdp_v
     sys.path.insert(0, str(REPO))
 
 from megatron_fsdp_v2.comm import COLLECTIVES  # noqa: E402
-from megatron_fsdp_v2.layout import build_layout  # noqa: E402
+from megatron_fsdp_v2.group.layout import build_layout  # noqa: E402
 
 SCHEMES = ("flat_zero3", "hsdp", "hfsdp")
 SCHEME_LABELS = {"flat_zero3": "flat ZeRO-3", "hsdp": "HSDP", "hfsdp": "HFSDP"}
@@ -195,7 +195,7 @@ def layout_shards(scheme: str, topo: Topology) -> int:
 
 def unit_layout(shapes, scheme: str, topo: Topology, alignment: int):
     """A unit's layout as ``fully_shard`` builds it for ZeRO-3 under ``scheme``: per-parameter
-    shards (layout.py), except HFSDP's two-level row-snapped shards."""
+    shards (group/layout.py), except HFSDP's two-level row-snapped shards."""
     return build_layout(shapes, layout_shards(scheme, topo), alignment,
                         per_parameter=effective_scheme(scheme, topo) != "hfsdp")
 

@@ -2,7 +2,7 @@
 
 [Note: pickling a DTensor view]
 Every sharded parameter is a plain ``DTensor(Shard(0))`` whose local piece is a view of the group's
-flat main-weight buffer (param_group.py), usually at a non-zero storage offset. DTensor's wrapper
+flat main-weight buffer (group/param_group.py), usually at a non-zero storage offset. DTensor's wrapper
 copies that offset, so ``Tensor.__reduce_ex__`` sees a non-zero ``data_ptr()`` on a wrapper that
 has no storage, takes the plain-tensor path and fails (``Attempted to access the data pointer on
 an invalid python storage``). FSDP2 never meets this: its sharded parameters own their storage.

@@ -21,9 +21,9 @@ from .wrap.build_units import build_units, initialize_units_from_meta, install_e
 from .checkpoint.state_dict import load_model_state_dict, model_state_dict
 from .runtime.engine import Engine
 from .wrap.experts import expert_names_refusal
-from .grad_buffer import reserve_gradient_segment
-from .main_segment import compact
-from .layout import default_alignment  # noqa: F401  (fully_shard.default_alignment, as before)
+from .group.grad_buffer import reserve_gradient_segment
+from .group.main_segment import compact
+from .group.layout import default_alignment  # noqa: F401  (fully_shard.default_alignment, as before)
 from .mixed_precision import MixedPrecisionPolicy
 from .offload import HostLink, OffloadPolicy, choose_offloaded, release_shards_after_gathers
 from .offload_steps import install_backward_steps
@@ -388,7 +388,7 @@ def fully_shard(
         persistent_grads: ``False`` (FSDP2's behaviour): the reduced-gradient buffers live as long as
             the optimizer's ``.grad`` views of them, so ``zero_grad(set_to_none=True)`` frees them and
             the next backward allocates them again as late as possible; ``True``: kept between
-            steps (Megatron DDP's ``main_grad``) (grad_buffer.py, [Note: gradient buffers live as
+            steps (Megatron DDP's ``main_grad``) (group/grad_buffer.py, [Note: gradient buffers live as
             long as .grad]).
         auto_strategy: with ``sharding_strategy="auto"`` only: the budget, activation reserve,
             optimizer and micro-batches it plans for (``AutoStrategy()`` by default: the device's

@@ -1,6 +1,6 @@
 """A ParamGroup's verbs for offload ([Note: offload by fraction], offload.py): moving its main
 shard to the host, feeding the weight gathers from it and landing reduced gradients there. Mixed
-into ParamGroup, apart from param_group.py, which is the group's buffers on the device."""
+into ParamGroup, apart from group/param_group.py, which is the group's buffers on the device."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 
 from .comm import PendingCollective
-from .grad_buffer import GradBuffer
+from .group.grad_buffer import GradBuffer
 from .offload import HostLink, OffloadedGroup
 
 __all__ = ["GroupOffload"]

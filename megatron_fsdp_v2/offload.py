@@ -256,7 +256,7 @@ class OffloadedGroup:
         self.grad_fresh = True            # holds nothing of this accumulation yet (zeroed lazily)
         self.grad_staging: Optional[torch.Tensor] = None     # a later landing's values, to add on the host
         # {parameter index: its .grad over ``grad`` as the optimizer sees it}, made at the first
-        # attach (``grad`` is this group's for life): param_group.py
+        # attach (``grad`` is this group's for life): group/param_group.py
         self.grads_facing_optimizer: dict = {}
         self._pending: list = []          # (event, what the host does once it completed)
         self._compute = (compute_numel, compute_dtype)

@@ -1,7 +1,7 @@
 """The optimizer-facing DTensor of a rank's rows (``sharded_rows``): a plain ``DTensor(Shard(0))``
 for ``torch.chunk``'s rows, which every strategy's per-parameter shards are, and, for HFSDP's
 row-snapped pieces only, ``RowShardedTensor``: a DTensor ``Shard(0)`` over the data-parallel group
-whose rank pieces are the layout's row splits (layout.py, [Note: row-snapped shards]).
+whose rank pieces are the layout's row splits (group/layout.py, [Note: row-snapped shards]).
 
 [Note: why a DTensor subclass]
 Optimizer-facing parameters, their ``.grad`` and the optimizer state made from them are DTensors, so

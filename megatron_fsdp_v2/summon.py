@@ -17,7 +17,7 @@ import torch.nn as nn
 
 from .runtime.param_swap import register_in_place_of
 from .runtime.phase import Phase
-from .shard_order import own_from_natural
+from .group.shard_order import own_from_natural
 
 
 @contextlib.contextmanager

@@ -22,7 +22,7 @@ collective, again with an event. So:
 * the host never blocks: there is no ``torch.cuda.synchronize()`` in the schedule.
 On CPU (gloo) the same calls run with gloo's own threads; the code path is identical.
 
-Which strategy calls which collective is decided by ``strategy.py``, ``param_group.py`` and ``group_reduce.py``,
+Which strategy calls which collective is decided by ``strategy.py``, ``group/param_group.py`` and ``group/reduce.py``,
 never here: the collective functions do not know which strategy calls them.
 """
 

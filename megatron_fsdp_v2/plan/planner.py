@@ -13,7 +13,7 @@ from typing import Optional, Sequence, Union
 import torch
 import torch.nn as nn
 
-from ..layout import default_alignment
+from ..group.layout import default_alignment
 from ..mixed_precision import MixedPrecisionPolicy
 from ..offload import OffloadPolicy
 from ..strategy import STRATEGY_NAMES, ShardingStrategy, get_strategy

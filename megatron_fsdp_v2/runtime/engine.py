@@ -11,7 +11,7 @@
   unit pre-backward  ZeRO-3: all-gather this unit and wait for it, prefetch the one before it in
                      forward order.
   param grad ready   DDP/ZeRO-1: add it to the group's full-size grad buffer; ZeRO-2/3: hold it
-                     (unreduced_grads.py). When the whole group is ready and this micro-batch
+                     (group/unreduced_grads.py). When the whole group is ready and this micro-batch
                      reduces, reduce it (async); a root group only if that frees memory.
   end of backward    reduce groups still holding gradients (unused parameters; deferred root
                      groups), wait for every reduce, point the optimizer-facing ``.grad`` at the
@@ -38,7 +38,7 @@ from ..wrap.experts import clip_norm_terms
 from .grad_hooks import GradHooks, refuse_tensor_hooks
 from .optimizer_hook import watch_optimizer_steps
 from ..comm import PendingCollective
-from ..param_group import ParamGroup
+from ..group.param_group import ParamGroup
 from .param_swap import ParamSlots
 from .phase import Phase, PhaseMachine
 from .pre_backward import ForwardRecord, SavedWeightHooks, tensors_needing_grad

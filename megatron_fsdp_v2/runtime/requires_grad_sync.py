@@ -1,14 +1,14 @@
 """``requires_grad_()`` after wrapping: carrying it between a parameter's two copies, and which
 parameters a group still reduces.
 
-A group keeps two per-parameter lists (param_group.py): ``trainable``, the ``requires_grad`` of the
+A group keeps two per-parameter lists (group/param_group.py): ``trainable``, the ``requires_grad`` of the
 last training forward, and ``reduced``, trainable at *any* forward since the accumulation began.
 The reduce and ``.grad`` follow ``reduced``, so a parameter frozen between the micro-batches of one
 step keeps what it accumulated before, as torch does (DeepSpeed's TestZeroUnbalancedGradients
 freezes half the parameters each micro-batch); an accumulation ends at ``zero_grad`` or when the
 optimizer steps (with ``zero_grad(set_to_none=False)`` nothing else tells the engine). Every rank
 sees the same ``requires_grad_`` calls and the same steps, so the lists, and the packed reduce
-laid out from them (trainable_pack.py, [Note: reducing what requires grad]), agree across ranks.
+laid out from them (group/trainable_pack.py, [Note: reducing what requires grad]), agree across ranks.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from ..param_group import ParamGroup
+from ..group.param_group import ParamGroup
 
 __all__ = ["ForwardOrder", "Unit"]
 

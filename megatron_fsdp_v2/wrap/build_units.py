@@ -16,15 +16,15 @@ import torch.nn as nn
 
 from .experts import expert_param_ids
 from ..extension_weights import ExtensionWeights
-from ..layout import default_alignment
+from ..group.layout import default_alignment
 from .meta_init import has_meta_state, initialize_meta_model, replace_meta_parameters
 from ..mixed_precision import full_precision_param_ids, resolve_dtypes
 from .nested import absorb_wrapped_submodules
 from ..offload import HostLink, choose_offloaded, offload_choice_bytes
 from ..runtime.optimizer_hook import mark_replaced
-from ..grad_buffer import reserve_gradient_segment
-from ..main_segment import compact, shares_main_segment
-from ..param_group import ParamGroup
+from ..group.grad_buffer import reserve_gradient_segment
+from ..group.main_segment import compact, shares_main_segment
+from ..group.param_group import ParamGroup
 from ..runtime.param_swap import register_in_place_of
 from ..row_sharded import mesh_of_group
 from ..runtime.unit_state import Unit
@@ -73,8 +73,8 @@ def build_units(model: PreparedModel, strategy, groups: WrapGroups, world, alloc
                 dtensor_params: bool, offload, persistent_grads: bool, reduce_root_per_child: bool) -> list[Unit]:
     """Every unit with its ParamGroups (buffers laid out, main parameters made), the root first.
     ZeRO-3's main shards are built one group at a time (each group's parameters freed as it is
-    built) and then moved into one allocation (main_segment.py) before the main parameters are
-    made; the gradient buffers to come get one segment of their pool (grad_buffer.py)."""
+    built) and then moved into one allocation (group/main_segment.py) before the main parameters are
+    made; the gradient buffers to come get one segment of their pool (group/grad_buffer.py)."""
     device = model.device
     shard_comm = world if world is not None else groups.comm   # HFSDP: main weights sharded over the world
     mesh = mesh_of_group(shard_comm.group, device) if dtensor_params and strategy.optim_sharded else None
@@ -110,7 +110,7 @@ def build_units(model: PreparedModel, strategy, groups: WrapGroups, world, alloc
         unit.mixed_precision = policy
         units.append(unit)
     built = [group for unit in units for group in unit.groups]
-    compact(built)                                 # main_segment.py: one allocation per main dtype
+    compact(built)                                 # group/main_segment.py: one allocation per main dtype
     for group in built:
         if group.main_params is None:
             group.make_main_params()

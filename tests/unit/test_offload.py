@@ -19,7 +19,7 @@ from hypothesis import given, settings, strategies as st
 from megatron_fsdp_v2 import (STRATEGY_NAMES, MixedPrecisionPolicy, OffloadPolicy, fully_shard, load_checkpoint,
                               save_checkpoint)
 from megatron_fsdp_v2.offload import choose_offloaded
-from megatron_fsdp_v2.param_group import ParamGroup
+from megatron_fsdp_v2.group.param_group import ParamGroup
 
 from .dist_utils import run_distributed
 from .models import Block, UnevenNet, make_batches

@@ -13,7 +13,7 @@ A group owns, per ``strategy.py``'s table:
   them; otherwise, once the reduced gradients are attached as the optimizer's ``.grad``, those
   views alone hold the buffer (grad_buffer.py, [Note: gradient buffers live as long as .grad]).
 
-The engine (``runtime/engine.py``) decides *when* to call ``unshard`` / ``reshard`` / ``reduce_grad`` (group_reduce.py);
+The engine (``runtime/engine.py``) decides *when* to call ``unshard`` / ``reshard`` / ``reduce_grad`` (reduce.py);
 this file decides *how*, from the table's booleans.
 """
 
@@ -25,21 +25,21 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .allocators.base import Allocator
-from .comm import Communicator, PendingCollective, wait_pending as _wait
+from ..allocators.base import Allocator
+from ..comm import Communicator, PendingCollective, wait_pending as _wait
 from .grad_buffer import GradBuffer
-from .group_export import GroupExport
-from .group_offload import GroupOffload
-from .group_reduce import GroupReduce
+from .export import GroupExport
+from ..group_offload import GroupOffload
+from .reduce import GroupReduce
 from .unreduced_grads import UnreducedGrads
-from .extension_weights import ExtensionWeights
+from ..extension_weights import ExtensionWeights
 from .layout import FlatLayout, build_layout
-from .offload import OffloadedGroup
-from .row_sharded import sharded_rows
+from ..offload import OffloadedGroup
+from ..row_sharded import sharded_rows
 from .shard_order import add_rank_major, natural_from_gathered
-from .mixed_precision import GroupDtypes
-from .comm.replicas import gather_blocks
-from .strategy import ShardingStrategy
+from ..mixed_precision import GroupDtypes
+from ..comm.replicas import gather_blocks
+from ..strategy import ShardingStrategy
 
 
 class ParamGroup(GroupExport, GroupOffload, GroupReduce):
@@ -88,7 +88,7 @@ class ParamGroup(GroupExport, GroupOffload, GroupReduce):
     _stash_key: tuple[str, str]          # allocator key of _stash
     _stash: Optional[torch.Tensor]       # ZeRO-1: that mean, set aside while a further backward accumulates
 
-    # -- reduce (group_reduce.py)
+    # -- reduce (reduce.py)
     _comm_key: tuple[str, str]           # allocator key of the reduce input
     has_unreduced_grads: bool            # gradients accumulated since the last reduce
     reduced_this_backward: bool          # the group reduced during this backward

@@ -29,7 +29,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .strategy import ShardingStrategy
+from ..strategy import ShardingStrategy
 
 __all__ = ["compact", "segment_views", "shares_main_segment"]
 

@@ -9,8 +9,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from .comm import PendingCollective, wait_pending
-from .comm.replicas import reduce_blocks
+from ..comm import PendingCollective, wait_pending
+from ..comm.replicas import reduce_blocks
 from .trainable_pack import TrainablePack, trainable_pack
 
 __all__ = ["GroupReduce"]

@@ -389,7 +389,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.offload_switch_interval < 0:
         p.error(f"--offload-switch-interval must be >= 0 seconds, got {args.offload_switch_interval}")
     if args.offload_switch_interval:
-        from megatron_fsdp_v2 import offload_steps
+        from megatron_fsdp_v2.offload import backward_steps as offload_steps
         offload_steps.STEP_SWITCH_INTERVAL_S = args.offload_switch_interval
     OFFLOAD_OPTIONS.update(step_in_backward=bool(args.offload_step_in_backward), search_step=args.offload_search,
                            step_threads=args.offload_step_threads or None,

@@ -25,8 +25,9 @@ from .group.grad_buffer import reserve_gradient_segment
 from .group.main_segment import compact
 from .group.layout import default_alignment  # noqa: F401  (fully_shard.default_alignment, as before)
 from .mixed_precision import MixedPrecisionPolicy
-from .offload import HostLink, OffloadPolicy, choose_offloaded, release_shards_after_gathers
-from .offload_steps import install_backward_steps
+from .offload.host_link import HostLink, release_shards_after_gathers
+from .offload.policy import OffloadPolicy, choose_offloaded
+from .offload.backward_steps import install_backward_steps
 from .runtime.param_swap import ParamSlots
 from .plan.resolve import AutoStrategy, resolve_auto_strategy
 from .wrap.rank_agreement import agree_on_wrap
@@ -399,7 +400,7 @@ def fully_shard(
             there as each reduce lands and they step on the CPU through the same optimizer
             (their main parameters are host tensors; e.g. ``torch.optim.AdamW(..., fused=True)``
             runs the fused kernel per device); updated weights return on a side stream, waited
-            for by the next forward's gathers (offload.py, [Note: offload by fraction]).
+            for by the next forward's gathers (offload/host_link.py, [Note: offload by fraction]).
 
     A module built on the meta device (``with torch.device("meta"):``) is materialized on the
     process group's device one initializer at a time, each rank keeping only its shards: see

@@ -22,7 +22,7 @@ class GroupExport:
             return 0 if t is None else t.numel() * t.element_size()
         model = 0 if (self.strategy.weights_sharded or self.compute_weights_are_main_weights) else nbytes(self.model_weights)
         model += nbytes(self.inner_weights)
-        offloaded = self.offloaded is not None            # its main shard is host memory (offload.py)
+        offloaded = self.offloaded is not None            # its main shard is host memory (offload/host_link.py)
         if offloaded:
             model += nbytes(self.offloaded.compute_shard)
         return {"main_weights": 0 if offloaded else nbytes(self.main_shard), "model_weights": model,
@@ -41,7 +41,7 @@ class GroupExport:
         """The whole reduced-gradient buffer on every rank (None for a frozen group)."""
         if not self.requires_grad:
             return None
-        if self.offloaded is not None:      # the host copy, this rank's rows already (offload.py)
+        if self.offloaded is not None:      # the host copy, this rank's rows already (offload/host_link.py)
             buffer = self.main_grad_buffer().to(self.device)
         else:
             buffer = self._ensure_grads()   # every rank joins the gather, also one whose buffer was freed

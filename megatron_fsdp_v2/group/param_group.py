@@ -29,12 +29,12 @@ from ..allocators.base import Allocator
 from ..comm import Communicator, PendingCollective, wait_pending as _wait
 from .grad_buffer import GradBuffer
 from .export import GroupExport
-from ..group_offload import GroupOffload
+from ..offload.group_offload import GroupOffload
 from .reduce import GroupReduce
 from .unreduced_grads import UnreducedGrads
 from ..extension_weights import ExtensionWeights
 from .layout import FlatLayout, build_layout
-from ..offload import OffloadedGroup
+from ..offload.host_link import OffloadedGroup
 from ..row_sharded import sharded_rows
 from .shard_order import add_rank_major, natural_from_gathered
 from ..mixed_precision import GroupDtypes
@@ -94,7 +94,7 @@ class ParamGroup(GroupExport, GroupOffload, GroupReduce):
     reduced_this_backward: bool          # the group reduced during this backward
     awaiting_replica_reduce: bool        # hybrid sharding: reduced here, not yet averaged across replicas
 
-    # -- offload (group_offload.py)
+    # -- offload (offload/group_offload.py)
     offloaded: Optional[OffloadedGroup]  # the host main shard and gradients (None: on the device)
 
     # -- hybrid levels (HFSDP, comm/replicas.py)
@@ -199,7 +199,7 @@ class ParamGroup(GroupExport, GroupOffload, GroupReduce):
         self.grads.persistent = persistent_grads
         self.main_locals: list[torch.Tensor] = []
         self.main_params = None
-        self.offloaded = None            # _init_buffers may offload (group_offload.py)
+        self.offloaded = None            # _init_buffers may offload (offload/group_offload.py)
         self._init_buffers(offload, main_segment, from_meta)
 
     # ------------------------------------------------------------------ construction
@@ -212,7 +212,7 @@ class ParamGroup(GroupExport, GroupOffload, GroupReduce):
         self.main_shard = None if self.main_in_segment and from_meta else self._own_main_values()
         self.compute_weights_are_main_weights = (not self.strategy.optim_sharded and dt.compute == dt.main
                                                  and self.extension is None)
-        if offload is not None:          # main shard to the host (group_offload.py)
+        if offload is not None:          # main shard to the host (offload/group_offload.py)
             self.offload_main(offload)
         if self.extension is not None:   # compute weights made by the parameters' class, after the wrap
             self.model_weights = None
@@ -622,7 +622,7 @@ class ParamGroup(GroupExport, GroupOffload, GroupReduce):
         """The buffer laid out like ``main_shard`` that holds the reduced gradients."""
         if not self.requires_grad:
             return None
-        if self.offloaded is not None:           # the host copy (group_offload.py)
+        if self.offloaded is not None:           # the host copy (offload/group_offload.py)
             self.offloaded.flush()
             return self.offloaded.grad
         if self.strategy.grads_sharded:
@@ -660,7 +660,7 @@ class ParamGroup(GroupExport, GroupOffload, GroupReduce):
         offloaded group's host gradient lives as long as the group, so those are made once and
         attached again every step (the same storage either way): making the DTensor took ~0.2 ms
         per parameter, on the critical path of the thread that steps offloaded groups during
-        backward (offload_steps.py)."""
+        backward (offload/backward_steps.py)."""
         if self.offloaded is None:
             return self.facing_optimizer(self._main_view(buffer, index), index)
         made = self.offloaded.grads_facing_optimizer

@@ -42,7 +42,7 @@ parameters are pieces):
 5. **CPU offload.** ``optimizer_cpu_offload`` (``--optimizer-cpu-offload``) with
    ``optimizer_offload_fraction`` and ``overlap_cpu_optimizer_d2h_h2d``: ``adapter.offload_policy``
    maps them to an ``OffloadPolicy``, the chunks offload that fraction of their groups
-   (``set_offload``; offload.py, [Note: offload by fraction]) and each leaf's inner Adam becomes
+   (``set_offload``; offload/host_link.py, [Note: offload by fraction]) and each leaf's inner Adam becomes
    torch's fused Adam/AdamW, which steps host and device tensors alike, instead of Megatron's
    ``HybridDeviceOptimizer``.
 

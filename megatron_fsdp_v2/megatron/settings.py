@@ -94,7 +94,7 @@ def main_params_dtype(model_config, ddp_config) -> torch.dtype:
 
 
 # ---------------------------------------------------------------- CPU offload
-# --optimizer-cpu-offload is our offload by fraction (adapter.offload_policy, offload.py): the
+# --optimizer-cpu-offload is our offload by fraction (adapter.offload_policy, offload/host_link.py): the
 # chunks offload whole groups and their inner Adam steps on each device. Megatron's argument
 # validation demands --use-precision-aware-optimizer with it (its hybrid optimizer reuses that
 # path); with fp32 optimizer dtypes that flag changes nothing here, so it is accepted with offload

@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from ..group.layout import default_alignment
 from ..mixed_precision import MixedPrecisionPolicy
-from ..offload import OffloadPolicy
+from ..offload.policy import OffloadPolicy
 from ..strategy import STRATEGY_NAMES, ShardingStrategy, get_strategy
 from .auto import choose
 from .groups import planned_units

@@ -55,7 +55,7 @@ class MainRows(NamedTuple):
     comm: object                      # the Communicator its group is sharded (or replicated) over
     shape: torch.Size                 # the parameter's original shape
     row_splits: Optional[tuple]       # rank r holds rows [splits[r], splits[r + 1]); None: every rank all
-    on_host: bool                     # an offloaded group's (offload.py): its main weights are host tensors
+    on_host: bool                     # an offloaded group's (offload/host_link.py): its main weights are host tensors
 
 
 class BackwardPass(NamedTuple):
@@ -89,7 +89,7 @@ class Engine:
         # one, and any after a grad-enabled forward outside no_sync(); [Note: buffers as DDP])
         self._buffers_due = True
         self.unused_grads_are_none = True        # torch DDP / FSDP2: a parameter no rank used keeps .grad None
-        self.backward_steps = None               # offloaded groups stepped during backward (offload_steps.py)
+        self.backward_steps = None               # offloaded groups stepped during backward (offload/backward_steps.py)
         self.backward_pass: Optional[BackwardPass] = None   # the backward now running
         self.grad_hooks = GradHooks()            # the user's hooks on main parameters (grad_hooks.py)
         self._backward_count = 0
@@ -542,7 +542,7 @@ class Engine:
 
     def _start_uploads(self) -> None:
         """ZeRO-3 with offload: start copying the stepped host main shards to the device now, so the
-        next forward's gathers find them there (offload.py, [Note: offload by fraction])."""
+        next forward's gathers find them there (offload/host_link.py, [Note: offload by fraction])."""
         dirty, self._dirty_groups = self._dirty_groups, set()
         for group in self.groups:
             offloaded = group.offloaded

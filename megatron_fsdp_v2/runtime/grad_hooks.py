@@ -28,7 +28,7 @@ So do we (``GradHooks.run``):
   all-gather of the group) at every parameter's step. While hooks run the refresh waits, and
   starts once after the last hook (``Engine.after_optimizer_step``). With
   ``OffloadPolicy(step_in_backward=True)`` the host thread steps offloaded groups with the one
-  optimizer of the model (offload_steps.py); per-parameter optimizers stepped in hooks besides are
+  optimizer of the model (offload/backward_steps.py); per-parameter optimizers stepped in hooks besides are
   refused at the second one's step, naming that rule.
 
 ``register_hook`` (a tensor hook: called with the gradient autograd computes for the tensor before

@@ -3,7 +3,7 @@
 unit's parameter groups, i.e. its buffers (``build_units``), and fill them from meta
 (``initialize_units_from_meta``).
 
-Each group's placement (host or device, offload.py) is chosen from the groups' sizes before any
+Each group's placement (host or device, offload/policy.py) is chosen from the groups' sizes before any
 buffer exists, so an offloaded group's main weights are built on the host directly.
 """
 
@@ -20,7 +20,8 @@ from ..group.layout import default_alignment
 from .meta_init import has_meta_state, initialize_meta_model, replace_meta_parameters
 from ..mixed_precision import full_precision_param_ids, resolve_dtypes
 from .nested import absorb_wrapped_submodules
-from ..offload import HostLink, choose_offloaded, offload_choice_bytes
+from ..offload.host_link import HostLink
+from ..offload.policy import choose_offloaded, offload_choice_bytes
 from ..runtime.optimizer_hook import mark_replaced
 from ..group.grad_buffer import reserve_gradient_segment
 from ..group.main_segment import compact, shares_main_segment

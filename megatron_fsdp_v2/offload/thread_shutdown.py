@@ -6,7 +6,7 @@ GIL (CPython calls ``pthread_exit``, which unwinds the thread's stack). If it is
 C++ code, in a destructor that takes the GIL (pybind11's ``gil_scoped_release``, a thread-local
 holding a Python object), the unwinding meets a ``noexcept`` frame: ``std::terminate``, "terminate
 called without an active exception", SIGABRT (pytorch/pytorch#38228). The offloaded-step thread
-(offload_steps.py) did exactly that about once in 16 CPU runs, after training had ended: the model's
+(backward_steps.py) did exactly that about once in 16 CPU runs, after training had ended: the model's
 finalizer woke it at exit, racing the interpreter's teardown. So each of our threads registers here
 and is stopped and joined
 

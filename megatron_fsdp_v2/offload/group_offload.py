@@ -1,4 +1,4 @@
-"""A ParamGroup's verbs for offload ([Note: offload by fraction], offload.py): moving its main
+"""A ParamGroup's verbs for offload ([Note: offload by fraction], host_link.py): moving its main
 shard to the host, feeding the weight gathers from it and landing reduced gradients there. Mixed
 into ParamGroup, apart from group/param_group.py, which is the group's buffers on the device."""
 
@@ -8,9 +8,9 @@ from typing import Optional
 
 import torch
 
-from .comm import PendingCollective
-from .group.grad_buffer import GradBuffer
-from .offload import HostLink, OffloadedGroup
+from ..comm import PendingCollective
+from ..group.grad_buffer import GradBuffer
+from .host_link import HostLink, OffloadedGroup
 
 __all__ = ["GroupOffload"]
 
@@ -82,7 +82,7 @@ class GroupOffload:
     def uploads_when_stepped_in_backward(self) -> bool:
         """ZeRO-3 (flat): a group stepped during backward is gathered no more before the next
         forward, so its new weights can go up at once, behind the rest of backward, instead of
-        after ``optimizer.step()`` (offload_steps.py). With ``release_after_gather`` too: a non-root
+        after ``optimizer.step()`` (backward_steps.py). With ``release_after_gather`` too: a non-root
         unit's shard then comes back as the backward frees activations, past the peak at its start;
         the root's (released at the start of backward, where the peak is) goes up after the step."""
         offloaded = self.offloaded
@@ -91,7 +91,7 @@ class GroupOffload:
 
     def after_backward_gather(self) -> None:
         """The root's gather at the start of backward read its compute shards: with
-        ``release_after_gather`` they go (offload.py, ``release_shards_after_gathers``)."""
+        ``release_after_gather`` they go (host_link.py, ``release_shards_after_gathers``)."""
         if self.offloaded is not None and self.strategy.weights_sharded:
             self.offloaded.after_gather(in_backward=True)
 

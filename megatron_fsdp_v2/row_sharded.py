@@ -42,9 +42,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .comm import all_gather_single
-from .dtensor_pickling import install_dtensor_view_pickling
-from .dtensor_indexed_writes import install_indexed_write_handlers
-from .dtensor_op_handlers import OUR_MESH_PREFIX, install_dtensor_op_handlers
+from .dtensor.pickling import install_dtensor_view_pickling
+from .dtensor.indexed_writes import install_indexed_write_handlers
+from .dtensor.op_handlers import OUR_MESH_PREFIX, install_dtensor_op_handlers
 
 __all__ = ["RowShardedTensor", "chunk_splits", "dispatch_reaches_subclasses", "gather_rows", "local_piece", "mesh_of_group", "row_sharded",
            "sharded_rows"]

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
-from .dtensor_op_handlers import default_path, on_our_mesh
+from .op_handlers import default_path, on_our_mesh
 
 __all__ = ["install_indexed_write_handlers"]
 

@@ -32,7 +32,7 @@ from .export import GroupExport
 from ..offload.group_offload import GroupOffload
 from .reduce import GroupReduce
 from .unreduced_grads import UnreducedGrads
-from ..extension_weights import ExtensionWeights
+from ..extensions.weights import ExtensionWeights
 from .layout import FlatLayout, build_layout
 from ..offload.host_link import OffloadedGroup
 from ..row_sharded import sharded_rows
@@ -107,7 +107,7 @@ class ParamGroup(GroupExport, GroupOffload, GroupReduce):
     param_dtype: torch.dtype             # the parameters' dtype before wrapping (wrap/nested.py gives it back)
 
     # -- FSDP2's extension protocol (e.g. float8)
-    extension: Optional[ExtensionWeights]   # parameters whose class gathers them (extension_weights.py)
+    extension: Optional[ExtensionWeights]   # parameters whose class gathers them (extensions/weights.py)
 
     def __init__(
         self,
@@ -144,7 +144,7 @@ class ParamGroup(GroupExport, GroupOffload, GroupReduce):
         self.device = device
         self.requires_grad = self.params[0].requires_grad
         # parameters whose class gathers them (FSDP2's extension protocol): their compute weights are
-        # that class's (e.g. float8), not a flat buffer of ours (extension_weights.py)
+        # that class's (e.g. float8), not a flat buffer of ours (extensions/weights.py)
         self.extension = extension
         # HFSDP (comm/replicas.py, [Note: sharding across replicas (HFSDP)]): (inner, outer) Communicators;
         # ``comm`` is then the whole data-parallel world the main weights are sharded over.

@@ -218,7 +218,7 @@ DDP_SETTINGS: Dict[str, Setting] = {s.field: s for s in (
     _refused("fp8_param_gather", "--fp8-param-gather",
              "honoured with Transformer Engine installed; refused when True without it",
              "its FP8 parameters are Transformer Engine's Float8Tensor / MXFP8Tensor, gathered through FSDP2's "
-             "all-gather extension (extension_weights.py), and Transformer Engine is not installed",
+             "all-gather extension (extensions/weights.py), and Transformer Engine is not installed",
              when=_fp8_param_gather_without_te),
     _refused("fp4_param_gather", "--fp4-param-gather", "refused when True", "FP4 compute weights are not supported"),
     _refused("reuse_grad_buf_for_mxfp8_param_ag", "--reuse-grad-buf-for-mxfp8-param-ag", "refused when True",

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from .experts import expert_param_ids
-from ..extension_weights import ExtensionWeights
+from ..extensions.weights import ExtensionWeights
 from ..group.layout import default_alignment
 from .meta_init import has_meta_state, initialize_meta_model, replace_meta_parameters
 from ..mixed_precision import full_precision_param_ids, resolve_dtypes
@@ -121,7 +121,7 @@ def build_units(model: PreparedModel, strategy, groups: WrapGroups, world, alloc
 
 def _extension(model: PreparedModel, gspec, comm, meshes: dict, dtypes, offloaded: bool,
                hybrid: bool) -> Optional[ExtensionWeights]:
-    """A group of parameters that gather themselves: their classes and owners (extension_weights.py).
+    """A group of parameters that gather themselves: their classes and owners (extensions/weights.py).
     Not with offload or HFSDP: their gathers read a host copy or gather twice, which the protocol's
     one pre / one gather / one post does not describe."""
     if not gspec.extension:

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..extension_protocol import check_param_types
+from ..extensions.protocol import check_param_types
 from ..comm import Communicator, all_gather_single
 from .experts import check_expert_arguments, check_expert_group_inside
 from ..comm.replicas import HFSDP_STRATEGIES, split_process_group

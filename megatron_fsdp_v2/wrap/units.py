@@ -14,7 +14,7 @@ from typing import Iterable, Optional, Sequence
 
 import torch.nn as nn
 
-from ..extension_protocol import has_protocol
+from ..extensions.protocol import has_protocol
 
 
 @dataclass
@@ -100,7 +100,7 @@ class GroupSpec:
     full_precision: bool
     expert: bool
     entries: tuple     # ((first_name, [all names], nn.Parameter), ...)
-    extension: bool = False   # its tensors gather themselves (extension_weights.py)
+    extension: bool = False   # its tensors gather themselves (extensions/weights.py)
 
 
 def group_specs(spec: UnitSpec, full_precision: set, experts: set, reduce_root_per_child: bool) -> list[GroupSpec]:

@@ -3,7 +3,7 @@
 A ParamGroup of such parameters (wrap/units.py puts them in groups of their own) keeps its fp32 main
 weights as any group does; only the compute weights differ. Where a plain group casts its main
 shard into a flat compute buffer and gathers that, this one asks each parameter's class
-(extension_protocol.py, [Note: gathered through the tensor's own protocol]):
+(protocol.py, [Note: gathered through the tensor's own protocol]):
 
 * ``no_shard`` (and any strategy over one rank): ``pre`` on the whole main weight, its outputs
   copied into the compute weight's storage, ``post``: a local cast, no collective;
@@ -33,8 +33,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from .comm import PendingCollective
-from .extension_protocol import TensorClass, pre_all_gather
+from ..comm import PendingCollective
+from .protocol import TensorClass, pre_all_gather
 
 __all__ = ["ExtensionWeights"]
 

@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from .. import checkpoint as core_checkpoint
+from ... import checkpoint as core_checkpoint
 
 __all__ = ["checkpoint_targets", "load_checkpoint", "save_checkpoint"]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from ..checkpoint.safe_reader import SafeFileSystemReader
+from ...checkpoint.safe_reader import SafeFileSystemReader
 from .fsdp_dtensor_format import is_fsdp_dtensor_keys
 
 __all__ = ["CORE_DCP", "FSDP_DTENSOR", "TORCH_DIST", "detect_checkpoint_format"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ..checkpoint.dcp_format import FlatRangeShard
+from ...checkpoint.dcp_format import FlatRangeShard
 
 __all__ = ["from_loaded"]
 

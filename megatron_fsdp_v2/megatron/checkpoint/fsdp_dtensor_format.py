@@ -50,10 +50,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from ..checkpoint.collective_errors import raise_on_every_rank
-from ..checkpoint.integrity import ChecksummedFileSystemWriter
-from ..checkpoint.safe_reader import SafeFileSystemReader
-from ..checkpoint.state_dict import load_optimizer_state_dict, model_state_dict, optimizer_state_dict
+from ...checkpoint.collective_errors import raise_on_every_rank
+from ...checkpoint.integrity import ChecksummedFileSystemWriter
+from ...checkpoint.safe_reader import SafeFileSystemReader
+from ...checkpoint.state_dict import load_optimizer_state_dict, model_state_dict, optimizer_state_dict
 from .dcp_checkpoint import checkpoint_targets
 
 __all__ = ["FORMAT", "is_fsdp_dtensor_keys", "load_fsdp_dtensor_checkpoint", "load_fsdp_dtensor_training_state",

@@ -46,7 +46,7 @@ import torch
 
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
-from ..checkpoint.dcp_format import FlatRangeShard
+from ...checkpoint.dcp_format import FlatRangeShard
 from .loaded_values import from_loaded
 
 __all__ = ["DP_RESHARDABLE", "FULLY_RESHARDABLE", "MEGATRON_TYPES", "RESHARDABLE_OPTION", "BucketSlot",
@@ -376,7 +376,7 @@ def saving_dict(leaf, values: dict, main_weights: dict, sharding_type: str, to_s
     (``main_weights``: {parameter name: the core's value}) as ``param``."""
     if sharding_type not in MEGATRON_TYPES:
         raise ValueError(f"sharding_type must be one of {list(MEGATRON_TYPES)}, got {sharding_type!r}.")
-    from ..checkpoint.state_dict import optimizer_param_names
+    from ...checkpoint.state_dict import optimizer_param_names
 
     where = placed if sharding_type == FULLY_RESHARDABLE else (lambda leaf, name: leaf._fsdp_v2_slices.get(name))
     stepped = [n for n in optimizer_param_names(leaf._fsdp_v2_model, leaf.optimizer) if where(leaf, n) is not None]

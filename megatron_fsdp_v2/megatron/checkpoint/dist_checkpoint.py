@@ -67,10 +67,10 @@ import torch
 
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
-from ..checkpoint.dcp_format import FlatRangeShard
-from ..checkpoint.integrity import verify_directory, write_directory_manifest
-from ..checkpoint.safe_reader import SafeFileSystemReader
-from ..checkpoint.state_dict import CLASS_KEY, load_optimizer_state_dict, model_state_dict, optimizer_state_dict
+from ...checkpoint.dcp_format import FlatRangeShard
+from ...checkpoint.integrity import verify_directory, write_directory_manifest
+from ...checkpoint.safe_reader import SafeFileSystemReader
+from ...checkpoint.state_dict import CLASS_KEY, load_optimizer_state_dict, model_state_dict, optimizer_state_dict
 from . import distopt_format
 from .loaded_values import from_loaded
 

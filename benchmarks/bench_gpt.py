@@ -349,8 +349,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "(and, stepping in backward, steps on the thread) at the start of backward (default 0)")
     g.add_argument("--offload-switch-interval", type=float, default=0.0,
                    help="with step in backward: the GIL switch interval (s) while groups step on the thread "
-                   "(offload_steps.STEP_SWITCH_INTERVAL_S; 0.005 = Python's, i.e. not lowered; default 0 = the "
-                   "library's)")
+                   "(offload/backward_steps.py's STEP_SWITCH_INTERVAL_S; 0.005 = Python's, i.e. not lowered; "
+                   "default 0 = the library's)")
     g.add_argument("--cpu-threads", type=int, default=0,
                    help="torch.set_num_threads(N) before any system (the CPU optimizer steps; default 0 = torch's)")
     g.add_argument("--steps", type=int, default=None, help="timed steps (default 20)")

@@ -78,7 +78,8 @@ import torch
 from megatron_fsdp_v2 import STRATEGY_NAMES, AutoStrategy
 from megatron_fsdp_v2.megatron import (FullyShardedDataParallel, check_optimizer_config, get_optimizer,
                                        read_optimizer_layout)
-from megatron_fsdp_v2.megatron.checkpoint.checkpoint_format import CORE_DCP, FSDP_DTENSOR, TORCH_DIST, detect_checkpoint_format
+from megatron_fsdp_v2.megatron.checkpoint.checkpoint_format import (CORE_DCP, FSDP_DTENSOR, TORCH_DIST,
+                                                               detect_checkpoint_format)
 
 logger = logging.getLogger(__name__)
 

@@ -456,7 +456,7 @@ def _shard0_spec(local: torch.Tensor, mesh: DeviceMesh, shape: torch.Size):
 # before pytorch/pytorch#177878; torch 2.11) route every DTensor *subclass* through the base
 # DTensor dispatcher, so RowShardedTensor.__torch_dispatch__ never runs and its ops would follow
 # torch.chunk's rows, silently wrong. Only HFSDP still makes RowShardedTensors (every strategy
-# gives plain DTensors of torch.chunk's rows), and wrap_checks refuses HFSDP with DTensor
+# gives plain DTensors of torch.chunk's rows), and wrap/checks.py refuses HFSDP with DTensor
 # parameters on such builds, asking this probe.
 def dispatch_reaches_subclasses(mesh: DeviceMesh) -> bool:
     """Whether this torch build runs a DTensor subclass's ``__torch_dispatch__`` ([Note: dispatch

@@ -50,7 +50,7 @@ def check_ranks_agree(comm, device: torch.device, settings: dict[str, str]) -> N
 def agree_on_wrap(module, groups, model, strategy, allocator, *, mixed_precision, broadcast_buffers,
                   unused_param_grads, check_for_nan_in_grad, dtensor_params, persistent_grads,
                   outer_sharding_strategy, reduce_root_per_child, offload) -> None:
-    """Every rank of every group of the wrap (``wrap_checks.WrapGroups``) uses the same settings,
+    """Every rank of every group of the wrap (``checks.WrapGroups``) uses the same settings,
     units and model (``model``: ``build_units.PreparedModel``); raises on every rank naming what
     differs."""
     check_same_model_on_all_ranks(module, groups.comm, model.device)

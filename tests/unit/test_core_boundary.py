@@ -37,8 +37,9 @@ _NOT_CORE = {"_replace", "_asdict", "_fields", "_fsdp_v2_model", "_fsdp_v2_dp_ra
              "_fsdp_v2_expert_names", "_fsdp_v2_expert_dp_rank", "_get_filesystem_reader", "_local_tensor",
              "_filter_grads_for_norm", "_fsdp_v2_dp_size", "_fsdp_v2_mp_rank", "_fsdp_v2_buckets",
              "_fsdp_v2_bucket_dtype", "_fsdp_v2_source", "_fsdp_v2_shapes",
-             "_replica_rank",                       # ShardedOptimizerCheckpoint's own method (megatron/checkpoint/dist_checkpoint.py)
-             "_compute_per_buffer_param_layout"}   # Megatron's own bucket layout (megatron/checkpoint/distopt_format.py)
+             "_replica_rank",                       # ShardedOptimizerCheckpoint's own method
+                                                    # (megatron/checkpoint/dist_checkpoint.py)
+             "_compute_per_buffer_param_layout"}   # Megatron's bucket layout (megatron/checkpoint/distopt_format.py)
 
 
 def _underscore_reads(path: pathlib.Path) -> list[str]:

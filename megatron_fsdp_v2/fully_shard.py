@@ -33,8 +33,8 @@ from .plan.resolve import AutoStrategy, resolve_auto_strategy
 from .wrap.rank_agreement import agree_on_wrap
 from .strategy import STRATEGY_NAMES, ShardingStrategy
 from .summon import summon_full_params
-from .wrap.checks import (check_outer_sharding, check_wrap_arguments, group_device, sync_start_values,
-                          wrap_communicators)
+from .wrap.checks import check_outer_sharding, group_device, sync_start_values, wrap_communicators
+from .wrap.options import WrapOptions
 
 
 class ShardedParameter(NamedTuple):
@@ -301,19 +301,18 @@ class FullyShardedModule:
                 yield name, buffer
 
 
-def _auto_strategy(module, options, groups, outer_sharding_strategy, unit_modules, mixed_precision,
-                   reduce_root_per_child, broadcast_buffers, offload, persistent_grads) -> ShardingStrategy:
+def _auto_strategy(module, options: WrapOptions, groups) -> ShardingStrategy:
     """``sharding_strategy="auto"`` (plan/resolve.py); what the plan does not cover is refused
     before its one collective, on every rank alike."""
     nested = [name for name, m in module.named_modules() if isinstance(m, FullyShardedModule)]
+    outer = options.outer_sharding_strategy
     refused = (["expert parameters (expert_process_group)"] if groups.experts is not None else []) + \
-        ([f"outer_sharding_strategy={outer_sharding_strategy!r} (HFSDP)"] if outer_sharding_strategy != "no_shard" else []) + \
+        ([f"outer_sharding_strategy={outer!r} (HFSDP)"] if outer != "no_shard" else []) + \
         ([f"submodules wrapped by earlier fully_shard calls ({nested[:3]})"] if nested else [])
     if refused:
         raise ValueError(f"sharding_strategy='auto' plans flat and hybrid (HSDP) sharding of one fully_shard call; "
                          f"got {', '.join(refused)}: pass one of {list(STRATEGY_NAMES)}.")
-    return resolve_auto_strategy(module, options, groups.comm, groups.replicas, group_device(groups.comm), unit_modules,
-                                 mixed_precision, reduce_root_per_child, broadcast_buffers, offload, persistent_grads)
+    return resolve_auto_strategy(module, options, groups.comm, groups.replicas, group_device(groups.comm))
 
 
 def fully_shard(
@@ -415,36 +414,27 @@ def fully_shard(
     reduced gradient (the end of a backward outside ``no_sync()``, or ``reduce_gradients()``), as
     FSDP2 does, so an optimizer may step there; ``register_hook`` is refused at the next forward.
     """
-    strategy = check_wrap_arguments(
-        module, FullyShardedModule, sharding_strategy=sharding_strategy, auto_strategy=auto_strategy,
-        auto_strategy_type=AutoStrategy, mixed_precision=mixed_precision, policy_type=MixedPrecisionPolicy,
-        unused_param_grads=unused_param_grads, dtensor_params=dtensor_params,
-        reduce_root_per_child=reduce_root_per_child, persistent_grads=persistent_grads, offload=offload,
-        offload_type=OffloadPolicy, process_group=process_group, init_fn=init_fn)
+    options = WrapOptions(sharding_strategy, unit_modules, mixed_precision, allocator, check_for_nan_in_grad,
+                          broadcast_buffers, unused_param_grads, dtensor_params, init_fn, expert_params,
+                          persistent_grads, outer_sharding_strategy, reduce_root_per_child, auto_strategy, offload)
+    strategy = options.check(module, FullyShardedModule, process_group)
     alloc = make_allocator(allocator)
     groups = wrap_communicators(process_group, expert_process_group, expert_params)
     if strategy is None:
-        strategy = _auto_strategy(module, auto_strategy or AutoStrategy(), groups, outer_sharding_strategy,
-                                  unit_modules, mixed_precision, reduce_root_per_child, broadcast_buffers,
-                                  offload, persistent_grads)
+        strategy = _auto_strategy(module, options, groups)
     world = check_outer_sharding(outer_sharding_strategy, strategy, groups.comm, groups.replicas, dtensor_params)
     model = prepare_model(module, strategy, groups, expert_params, unit_modules, FullyShardedModule)
-    agree_on_wrap(module, groups, model, strategy, alloc, mixed_precision=mixed_precision,
-                  broadcast_buffers=broadcast_buffers, unused_param_grads=unused_param_grads,
-                  check_for_nan_in_grad=check_for_nan_in_grad, dtensor_params=dtensor_params,
-                  persistent_grads=persistent_grads, outer_sharding_strategy=outer_sharding_strategy,
-                  reduce_root_per_child=reduce_root_per_child, offload=offload)
+    agree_on_wrap(module, groups, model, strategy, alloc, options)
     if not model.from_meta:        # a meta model is initialized the same on every rank (same RNG state)
         sync_start_values(module, groups, model.experts)
-    units = build_units(model, strategy, groups, world, alloc, mixed_precision, dtensor_params, offload,
-                        persistent_grads, reduce_root_per_child)
+    units = build_units(model, strategy, groups, world, alloc, options)
     if model.from_meta:
         initialize_units_from_meta(module, units, model.pending, model.device, init_fn)
     install_extension_params(module, units)
     engine = _install_engine(module, units, strategy, alloc, groups, world, dtensor_params)
     engine.check_for_nan_in_grad = bool(check_for_nan_in_grad)
     engine.broadcast_buffers = bool(broadcast_buffers)
-    engine.unused_grads_are_none = unused_param_grads == "none"
+    engine.unused_grads_are_none = options.unused_grads_are_none
     install_backward_steps(engine, offload)
     release_shards_after_gathers(engine.units, offload)
     return module

@@ -70,19 +70,19 @@ def prepare_model(module: nn.Module, strategy, groups: WrapGroups, expert_params
     return PreparedModel(specs, inner_policies, frozenset(experts), from_meta, pending, device)
 
 
-def build_units(model: PreparedModel, strategy, groups: WrapGroups, world, allocator, mixed_precision,
-                dtensor_params: bool, offload, persistent_grads: bool, reduce_root_per_child: bool) -> list[Unit]:
+def build_units(model: PreparedModel, strategy, groups: WrapGroups, world, allocator, options) -> list[Unit]:
     """Every unit with its ParamGroups (buffers laid out, main parameters made), the root first.
     ZeRO-3's main shards are built one group at a time (each group's parameters freed as it is
     built) and then moved into one allocation (group/main_segment.py) before the main parameters are
-    made; the gradient buffers to come get one segment of their pool (group/grad_buffer.py)."""
-    device = model.device
+    made; the gradient buffers to come get one segment of their pool (group/grad_buffer.py).
+    ``options``: the call's ``options.WrapOptions``."""
+    device, dtensor_params = model.device, options.dtensor_params
     shard_comm = world if world is not None else groups.comm   # HFSDP: main weights sharded over the world
     mesh = mesh_of_group(shard_comm.group, device) if dtensor_params and strategy.optim_sharded else None
     expert_mesh = (mesh_of_group(groups.experts.group, device)
                    if groups.experts is not None and dtensor_params and strategy.optim_sharded else None)
-    plans = _group_plans(model, mixed_precision, reduce_root_per_child)
-    to_host, link = _offload_choice(plans, offload, device)
+    plans = _group_plans(model, options.mixed_precision, options.reduce_root_per_child)
+    to_host, link = _offload_choice(plans, options.offload, device)
     in_segment = shares_main_segment(strategy, hybrid=world is not None)
     meshes: dict = {}            # the group's mesh handed to FSDP2's extension protocol, one per process group
     units: list[Unit] = []
@@ -96,7 +96,7 @@ def build_units(model: PreparedModel, strategy, groups: WrapGroups, world, alloc
                                resolve_dtypes(gspec.dtype, policy, gspec.requires_grad, gspec.full_precision),
                                allocator, device, default_alignment(device), expert_mesh if gspec.expert else mesh,
                                levels=(groups.comm, groups.replicas) if world is not None else None,
-                               offload=link if index in to_host else None, persistent_grads=persistent_grads,
+                               offload=link if index in to_host else None, persistent_grads=options.persistent_grads,
                                main_segment=in_segment, from_meta=model.from_meta,
                                extension=_extension(model, gspec, groups.experts if gspec.expert else shard_comm,
                                                     meshes, resolve_dtypes(gspec.dtype, policy, gspec.requires_grad,

@@ -210,42 +210,6 @@ class WrapGroups(NamedTuple):
         return [c for c in (self.comm, self.replicas, self.experts) if c is not None]
 
 
-def check_wrap_arguments(module, wrapped_class: type, *, sharding_strategy, auto_strategy, auto_strategy_type: type,
-                         mixed_precision, policy_type: type, unused_param_grads, dtensor_params,
-                         reduce_root_per_child, persistent_grads, offload, offload_type: type, process_group,
-                         init_fn):
-    """The strategy (None for ``"auto"``) after checking every argument's type and value, on every
-    rank alike (local checks only: no collective yet)."""
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}.")
-    if isinstance(module, wrapped_class):
-        raise ValueError(f"module: {type(module).__name__} is already wrapped by fully_shard; wrap a module once.")
-    auto = sharding_strategy == "auto"
-    strategy = None if auto else get_strategy(sharding_strategy)
-    if auto_strategy is not None and not auto:
-        raise ValueError(f"auto_strategy is used with sharding_strategy='auto' only, got sharding_strategy="
-                         f"{sharding_strategy!r}; drop one of them.")
-    if auto and not isinstance(auto_strategy, (auto_strategy_type, type(None))):
-        raise TypeError(f"auto_strategy must be an AutoStrategy or None, got {type(auto_strategy).__name__}.")
-    if mixed_precision is not None and not isinstance(mixed_precision, policy_type):
-        raise TypeError(f"mixed_precision must be a MixedPrecisionPolicy or None, got {type(mixed_precision).__name__}.")
-    if unused_param_grads not in ("none", "zeros"):
-        raise ValueError(f"unused_param_grads must be 'none' or 'zeros', got {unused_param_grads!r}.")
-    for name, value in (("dtensor_params", dtensor_params), ("reduce_root_per_child", reduce_root_per_child),
-                        ("persistent_grads", persistent_grads)):
-        if not isinstance(value, bool):
-            raise TypeError(f"{name} must be True or False, got {value!r}.")
-    if offload is not None and not isinstance(offload, offload_type):
-        raise TypeError(f"offload must be an OffloadPolicy or None, got {type(offload).__name__}.")
-    if offload is not None and offload.fraction > 0 and process_group is not None and not isinstance(
-            process_group, dist.ProcessGroup):
-        raise ValueError("offload: CPU offload with hybrid sharding (a pair of groups or a 2-D mesh as "
-                         "process_group) is not supported; shard over one group, or pass offload=None.")
-    if init_fn is not None and not callable(init_fn):
-        raise TypeError(f"init_fn must be a callable taking a module, or None, got {type(init_fn).__name__}.")
-    return strategy
-
-
 def wrap_communicators(process_group, expert_process_group, expert_params) -> WrapGroups:
     """Check the groups (and their nesting) and make one Communicator for each."""
     shard_group, replicate_group = split_process_group(process_group)

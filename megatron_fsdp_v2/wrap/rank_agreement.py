@@ -47,30 +47,18 @@ def check_ranks_agree(comm, device: torch.device, settings: dict[str, str]) -> N
                      "same settings.")
 
 
-def agree_on_wrap(module, groups, model, strategy, allocator, *, mixed_precision, broadcast_buffers,
-                  unused_param_grads, check_for_nan_in_grad, dtensor_params, persistent_grads,
-                  outer_sharding_strategy, reduce_root_per_child, offload) -> None:
-    """Every rank of every group of the wrap (``checks.WrapGroups``) uses the same settings,
-    units and model (``model``: ``build_units.PreparedModel``); raises on every rank naming what
-    differs."""
+def agree_on_wrap(module, groups, model, strategy, allocator, options) -> None:
+    """Every rank of every group of the wrap (``checks.WrapGroups``) uses the same settings
+    (``options``: ``options.WrapOptions``), units and model (``model``: ``build_units.PreparedModel``);
+    raises on every rank naming what differs."""
     check_same_model_on_all_ranks(module, groups.comm, model.device)
     if groups.replicas is not None:
         check_same_model_on_all_ranks(module, groups.replicas, model.device)
     agreed = {
-        "sharding_strategy": strategy.name,
+        **options.agreed_settings(strategy, allocator),
         "units": ",".join(spec.fqn or "<root>" for spec in model.specs),
-        "mixed_precision": repr(mixed_precision),
         "nested unit policies": ",".join(f"{type(m).__name__}:{p!r}" for m, p in model.inner_policies),
-        "allocator": type(allocator).__name__,
-        "broadcast_buffers": str(bool(broadcast_buffers)),
-        "unused_param_grads": unused_param_grads,
-        "check_for_nan_in_grad": str(bool(check_for_nan_in_grad)),
         "built on the meta device": str(model.from_meta),
-        "dtensor_params": str(dtensor_params),
-        "persistent_grads": str(persistent_grads),
-        "outer_sharding_strategy": outer_sharding_strategy,
-        "reduce_root_per_child": str(reduce_root_per_child),
-        "offload": repr(offload),
         "expert parameters": ",".join(n for n, p in module.named_parameters() if id(p) in model.experts),
     }
     for comm in groups.all():

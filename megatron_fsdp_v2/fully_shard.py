@@ -216,7 +216,7 @@ class FullyShardedModule:
         ``"host_grads"``, ``"host_grad_staging"``, ``"host_total"``), which ``"total"`` leaves out."""
         total: dict = {}
         for group in self._fsdp_engine.groups:
-            for role, nbytes in group.persistent_bytes().items():
+            for role, nbytes in group.exporter.persistent_bytes().items():
                 total[role] = total.get(role, 0) + nbytes
         host = sum(v for k, v in total.items() if k.startswith("host_"))
         total["total"] = sum(v for k, v in total.items() if not k.startswith("host_"))
@@ -243,7 +243,7 @@ class FullyShardedModule:
         link = HostLink(engine.groups[0].device, offload) if chosen else None
         left_segment = any(engine.groups[index].main_in_segment for index in chosen)
         for index in sorted(chosen):
-            engine.groups[index].offload_main(link)
+            engine.groups[index].offloading.offload_main(link)
         if left_segment:
             compact(engine.groups)
         if chosen:        # fewer gradient buffers on the device than the wrap reserved for
@@ -258,9 +258,9 @@ class FullyShardedModule:
         identical on every rank. Gathers one group at a time."""
         out: "OrderedDict[str, torch.Tensor]" = OrderedDict()
         for group in self._fsdp_engine.groups:
-            full_main = group.gather_full_main()
+            full_main = group.exporter.gather_full_main()
             for index, names in enumerate(group.all_names):
-                value = group.full_param(full_main, index).clone()
+                value = group.exporter.full_param(full_main, index).clone()
                 for name in names:
                     out[name] = value
         for name, buffer in self._fsdp_buffers():

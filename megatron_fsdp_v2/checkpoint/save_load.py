@@ -203,10 +203,10 @@ def export_full_state_dict(model, path: "str | os.PathLike", rank: int = 0) -> N
     writer = comm.rank == rank and (replicas is None or replicas.rank == 0)   # hybrid: replica 0 writes
     full: dict = {}
     for group in model._fsdp_engine.groups:
-        full_main = group.gather_full_main()
+        full_main = group.exporter.gather_full_main()
         if writer:
             for index, names in enumerate(group.all_names):
-                value = group.full_param(full_main, index).clone()
+                value = group.exporter.full_param(full_main, index).clone()
                 full.update((name, value) for name in names)
         del full_main
     if writer:

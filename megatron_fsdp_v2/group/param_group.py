@@ -42,11 +42,14 @@ from ..comm.replicas import gather_blocks
 from ..strategy import ShardingStrategy
 
 
-class ParamGroup(GroupExport, GroupOffload, GroupReduce):
+class ParamGroup:
     """Flat main-weight, model-weight and grad buffers of a list of parameters.
 
-    Everything a group holds is declared below, by concern, and set in ``__init__`` (the mixins
-    write some of them later but add none)."""
+    Everything a group holds is declared below, by concern, and set in ``__init__``. Three concerns
+    live in parts of their own, each holding this group (``part.group``): reducing gradients
+    (``reducer``, reduce.py), the host side of offload (``offloading``, offload/group_offload.py) and
+    what is reported and exported between steps (``exporter``, export.py). They write some of the
+    attributes below but add none."""
 
     # -- layout and strategy: what the group is made of and how it is sharded
     name: str                            # the group's tag (wrap/units.py); the allocator's keys start with it
@@ -87,6 +90,11 @@ class ParamGroup(GroupExport, GroupOffload, GroupReduce):
     _own_region_holds_mean: bool         # ZeRO-1: this rank's region of full_grad holds a reduced mean
     _stash_key: tuple[str, str]          # allocator key of _stash
     _stash: Optional[torch.Tensor]       # ZeRO-1: that mean, set aside while a further backward accumulates
+
+    # -- the group's parts
+    reducer: GroupReduce                 # reduce-scatter / all-reduce of the gradients (reduce.py)
+    offloading: GroupOffload             # the main shard on the host, gathers fed from it (offload/group_offload.py)
+    exporter: GroupExport                # persistent bytes, whole weights and grads on every rank (export.py)
 
     # -- reduce (reduce.py)
     _comm_key: tuple[str, str]           # allocator key of the reduce input
@@ -132,6 +140,7 @@ class ParamGroup(GroupExport, GroupOffload, GroupReduce):
         param_dtype: torch.dtype,
     ) -> None:
         self.name = name
+        self.reducer, self.offloading, self.exporter = GroupReduce(self), GroupOffload(self), GroupExport(self)
         self.params = list(params)
         self.param_names = list(param_names)
         self.all_names = list(all_names)
@@ -213,7 +222,7 @@ class ParamGroup(GroupExport, GroupOffload, GroupReduce):
         self.compute_weights_are_main_weights = (not self.strategy.optim_sharded and dt.compute == dt.main
                                                  and self.extension is None)
         if offload is not None:          # main shard to the host (offload/group_offload.py)
-            self.offload_main(offload)
+            self.offloading.offload_main(offload)
         if self.extension is not None:   # compute weights made by the parameters' class, after the wrap
             self.model_weights = None
             self.is_unsharded = not self.strategy.weights_sharded
@@ -399,7 +408,7 @@ class ParamGroup(GroupExport, GroupOffload, GroupReduce):
             self.wait_refresh()
             self._pending_refresh = self._refresh_replicated(async_op)
         else:
-            self._refresh_whole_weights()
+            self.offloading.refresh_whole_weights()
 
     def _refresh_replicated(self, async_op: bool) -> PendingCollective:
         """ZeRO-1/2: all-gather the main shards into the replicated compute weights in place. With
@@ -436,7 +445,7 @@ class ParamGroup(GroupExport, GroupOffload, GroupReduce):
         size = self.layout.shard_numel
         slot = output[comm.rank * size:(comm.rank + 1) * size]
         with torch.no_grad():
-            self._write_own_slot(slot)
+            self.offloading.write_own_slot(slot)
         work = comm.all_gather(output, slot, async_op=async_op, label=label)
         return PendingCollective(work if async_op else None, lambda: None)
 

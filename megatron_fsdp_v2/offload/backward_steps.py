@@ -291,11 +291,11 @@ class BackwardSteps:
             self._stepped[id(group)] = record
             self.groups_stepped += 1
             stepped = time.perf_counter()
-            if group.uploads_when_stepped_in_backward:
+            if group.offloading.uploads_when_stepped_in_backward:
                 # one upload in flight: its device copy in the main dtype is the only one backward holds
                 if self._last_upload is not None:
                     self._last_upload.wait_upload_on_host()
-                group.start_upload(after=handed_at)
+                group.offloading.start_upload(after=handed_at)
                 self._last_upload = group.offloaded
                 self.groups_uploaded += 1
             uploading = time.perf_counter()
@@ -378,7 +378,7 @@ class BackwardSteps:
         for record in self._stepped.values():
             for main in record.group.main_params:
                 main.grad = None
-            if record.group.uploads_when_stepped_in_backward:      # (the thread uploaded it)
+            if record.group.offloading.uploads_when_stepped_in_backward:      # (the thread uploaded it)
                 uploaded.update(id(main) for main in record.group.main_params)
         return uploaded
 

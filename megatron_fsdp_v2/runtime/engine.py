@@ -281,7 +281,7 @@ class Engine:
             unit.unshard(async_op=False)
             if unit.is_root:
                 for root_group in unit.groups:
-                    root_group.after_backward_gather()
+                    root_group.offloading.after_backward_gather()
         else:
             group.unshard(async_op=False)
         unit.wait_unshard()                 # before the prefetch: one gather's temporaries in flight
@@ -342,7 +342,7 @@ class Engine:
 
     def _reduce(self, group: ParamGroup) -> None:
         self.wait_gradient_reduces()
-        pending = group.reduce_grad(self._shard_group_divide_factor)
+        pending = group.reducer.reduce_grad(self._shard_group_divide_factor)
         if pending is not None:
             self._reduces_in_flight.append((group, pending))
 
@@ -365,7 +365,7 @@ class Engine:
         if self.replicas is None:
             return
         for group in self.groups:
-            group.reduce_across_replicas(self.replicas)
+            group.reducer.reduce_across_replicas(self.replicas)
 
     def set_gradient_divide_factor(self, factor: Optional[float]) -> None:
         if factor is not None and not (isinstance(factor, (int, float)) and factor > 0):
@@ -376,7 +376,7 @@ class Engine:
         """Wait for the reduces in flight (at most one from the schedule) without scanning all groups."""
         in_flight, self._reduces_in_flight = self._reduces_in_flight, []
         for group, pending in in_flight:
-            group.finish_grad_reduce(pending)
+            group.reducer.finish_grad_reduce(pending)
             self.grad_hooks.reduce_landed(group)
             steps = self.backward_steps
             if steps is not None and self.phase.is_(Phase.BACKWARD) and self.requires_gradient_sync \
@@ -547,13 +547,13 @@ class Engine:
         for group in self.groups:
             offloaded = group.offloaded
             if offloaded is not None and (id(group) in dirty or offloaded.uploaded_version != group.main_version()):
-                group.start_upload()
+                group.offloading.start_upload()
 
     # ------------------------------------------------------------------ explicit gradient sync
     def start_gradient_reduction(self) -> None:
         """Issue the reduce of every group holding gradients accumulated under ``no_sync()``."""
         for group in self.groups:        # a group whose reduce is in flight has nothing unreduced
-            pending = group.reduce_grad(self._shard_group_divide_factor)
+            pending = group.reducer.reduce_grad(self._shard_group_divide_factor)
             if pending is not None:
                 self._reduces_in_flight.append((group, pending))
 

@@ -81,4 +81,4 @@ class Unit:
     def prefetch_uploads(self) -> None:
         """Offload with ``release_after_gather``: start copying this unit's released compute shards."""
         for group in self.groups:
-            group.prefetch_upload()
+            group.offloading.prefetch_upload()

@@ -64,9 +64,9 @@ def _unwrap(inner: nn.Module, engine) -> None:
         for group in engine.groups:
             group.wait_unshard()
             group.wait_refresh()
-            full_main = group.gather_full_main()
+            full_main = group.exporter.gather_full_main()
             for index, param in enumerate(group.params):
-                param.data = group.full_param(full_main, index).to(group.param_dtype).clone()
+                param.data = group.exporter.full_param(full_main, index).to(group.param_dtype).clone()
                 param.grad = None
     for name, main in inner._fsdp_main_params.items():
         mark_replaced(main, name)

@@ -25,11 +25,11 @@ because their gradients are. Nothing else crosses the outer group after wrapping
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Any, NamedTuple, Optional, Tuple
 
 import torch.distributed as dist
 
-__all__ = ["split_process_group"]
+__all__ = ["HybridLevels", "split_process_group"]
 
 
 def split_process_group(process_group) -> Tuple[Optional[dist.ProcessGroup], Optional[dist.ProcessGroup]]:
@@ -78,6 +78,17 @@ def split_process_group(process_group) -> Tuple[Optional[dist.ProcessGroup], Opt
 # while main weights and optimizer state shrink from P / N_in to P / W per rank.
 
 HFSDP_STRATEGIES = ("optim", "optim_grads", "optim_grads_params")
+
+
+class HybridLevels(NamedTuple):
+    """HFSDP's two levels of a group's data-parallel ranks (the group's ``comm`` is then the world)."""
+
+    inner: Any      # Communicator of the shard group (one node): compute weights move only here
+    outer: Any      # Communicator of the replicas: the world shards' refresh and the outer reduce
+
+    @property
+    def world_size(self) -> int:
+        return self.inner.size * self.outer.size
 
 
 def gather_blocks(inner, full, source, world_shard: int, outer_size: int, async_op: bool, label: str) -> list:

@@ -38,7 +38,7 @@ from ..offload.host_link import OffloadedGroup
 from ..row_sharded import sharded_rows
 from .shard_order import add_rank_major, natural_from_gathered
 from ..mixed_precision import GroupDtypes
-from ..comm.replicas import gather_blocks
+from ..comm.replicas import HybridLevels, gather_blocks
 from ..strategy import ShardingStrategy
 
 
@@ -106,7 +106,7 @@ class ParamGroup:
     offloaded: Optional[OffloadedGroup]  # the host main shard and gradients (None: on the device)
 
     # -- hybrid levels (HFSDP, comm/replicas.py)
-    levels: Optional[tuple[Communicator, Communicator]]   # (inner, outer); comm is then the whole world
+    levels: Optional[HybridLevels]       # HFSDP's (inner, outer) groups; comm is then the whole world
     inner_weights: Optional[torch.Tensor]   # ZeRO-3: this rank's inner shard of the compute weights
     _inner_grad: Optional[torch.Tensor]     # inner-reduced grads awaiting the outer reduce
 
@@ -231,7 +231,7 @@ class ParamGroup:
             for param in self.params:
                 param.data = torch.empty(0, dtype=dt.compute, device=self.device)
             if self.levels is not None:
-                self.inner_weights = torch.empty(self.layout.shard_numel * self.levels[1].size, dtype=dt.compute,
+                self.inner_weights = torch.empty(self.layout.shard_numel * self.levels.outer.size, dtype=dt.compute,
                                                  device=self.device)
                 self.rebuild_compute_weights(async_op=False)
         else:
@@ -452,7 +452,7 @@ class ParamGroup:
     def _gather_across_replicas(self, inner_shard: torch.Tensor, async_op: bool) -> PendingCollective:
         """HFSDP: this rank's inner shard of compute weights from the replicas' world shards (one
         outer all-gather)."""
-        return self._gather_own_slot(self.levels[1], inner_shard, async_op,
+        return self._gather_own_slot(self.levels.outer, inner_shard, async_op,
                                      f"weights of {self.name} across replicas")
 
     def _gather_blocks_into(self, full: torch.Tensor, async_op: bool) -> PendingCollective:
@@ -543,7 +543,7 @@ class ParamGroup:
     @property
     def gather_size(self) -> int:
         """Ranks ZeRO-3's weight gather reads from (HFSDP: the inner group)."""
-        return self.levels[0].size if self.levels is not None else self.comm.size
+        return self.levels.inner.size if self.levels is not None else self.comm.size
 
     @property
     def reduce_frees_memory(self) -> bool:

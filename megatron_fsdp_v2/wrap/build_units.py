@@ -18,6 +18,7 @@ from .experts import expert_param_ids
 from ..extensions.weights import ExtensionWeights
 from ..group.layout import default_alignment
 from .meta_init import has_meta_state, initialize_meta_model, replace_meta_parameters
+from ..comm.replicas import HybridLevels
 from ..mixed_precision import full_precision_param_ids, resolve_dtypes
 from .nested import absorb_wrapped_submodules
 from ..offload.host_link import HostLink
@@ -95,7 +96,7 @@ def build_units(model: PreparedModel, strategy, groups: WrapGroups, world, alloc
                                groups.experts if gspec.expert else shard_comm,
                                resolve_dtypes(gspec.dtype, policy, gspec.requires_grad, gspec.full_precision),
                                allocator, device, default_alignment(device), expert_mesh if gspec.expert else mesh,
-                               levels=(groups.comm, groups.replicas) if world is not None else None,
+                               levels=HybridLevels(groups.comm, groups.replicas) if world is not None else None,
                                offload=link if index in to_host else None, persistent_grads=options.persistent_grads,
                                main_segment=in_segment, from_meta=model.from_meta,
                                extension=_extension(model, gspec, groups.experts if gspec.expert else shard_comm,

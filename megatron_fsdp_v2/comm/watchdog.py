@@ -17,7 +17,7 @@ another's (a rank that has not issued the next call yet: slow, not different) re
 Between steps a ledger may stand still for minutes (evaluation, a long save): the rings then agree
 and the thread stays quiet; it never issues a collective and never blocks on the store (it checks
 that keys exist before reading them). It is stopped and joined at ``destroy_process_group`` and at
-interpreter exit (offload/thread_shutdown.py).
+interpreter exit (comm/thread_shutdown.py).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from .ledger import RING, CollectiveLedger, describe, mismatch_error
-from ..offload.thread_shutdown import join_thread, shut_down_at_exit
+from .thread_shutdown import join_thread, shut_down_at_exit
 
 __all__ = ["STALL_ENV", "LedgerWatchdog", "first_difference", "watch"]
 

@@ -4,5 +4,6 @@ the strategy table; the flat-buffer layout (``layout.py``) and the per-parameter
 (``shard_order.py``); the group's gradient reduce (``reduce.py``), its held unreduced gradients
 (``unreduced_grads.py``), its packed trainable part once partly frozen (``trainable_pack.py``) and
 its reduced-gradient buffer (``grad_buffer.py``); ZeRO-3's main shards in one allocation
-(``main_segment.py``); and what a group reports and exports between steps (``export.py``).
+(``main_segment.py``); the group's offloaded part: its main shard on the host, gathers fed from it
+(``offload.py``); and what a group reports and exports between steps (``export.py``).
 """

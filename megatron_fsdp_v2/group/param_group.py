@@ -29,7 +29,7 @@ from ..allocators.base import Allocator
 from ..comm import Communicator, PendingCollective, wait_pending as _wait
 from .grad_buffer import GradBuffer
 from .export import GroupExport
-from ..offload.group_offload import GroupOffload
+from .offload import GroupOffload
 from .reduce import GroupReduce
 from .unreduced_grads import UnreducedGrads
 from ..extensions.weights import ExtensionWeights
@@ -47,7 +47,7 @@ class ParamGroup:
 
     Everything a group holds is declared below, by concern, and set in ``__init__``. Three concerns
     live in parts of their own, each holding this group (``part.group``): reducing gradients
-    (``reducer``, reduce.py), the host side of offload (``offloading``, offload/group_offload.py) and
+    (``reducer``, reduce.py), the host side of offload (``offloading``, group/offload.py) and
     what is reported and exported between steps (``exporter``, export.py). They write some of the
     attributes below but add none."""
 
@@ -93,7 +93,7 @@ class ParamGroup:
 
     # -- the group's parts
     reducer: GroupReduce                 # reduce-scatter / all-reduce of the gradients (reduce.py)
-    offloading: GroupOffload             # the main shard on the host, gathers fed from it (offload/group_offload.py)
+    offloading: GroupOffload             # the main shard on the host, gathers fed from it (group/offload.py)
     exporter: GroupExport                # persistent bytes, whole weights and grads on every rank (export.py)
 
     # -- reduce (reduce.py)
@@ -102,7 +102,7 @@ class ParamGroup:
     reduced_this_backward: bool          # the group reduced during this backward
     awaiting_replica_reduce: bool        # hybrid sharding: reduced here, not yet averaged across replicas
 
-    # -- offload (offload/group_offload.py)
+    # -- offload (group/offload.py)
     offloaded: Optional[OffloadedGroup]  # the host main shard and gradients (None: on the device)
 
     # -- hybrid levels (HFSDP, comm/replicas.py)
@@ -208,7 +208,7 @@ class ParamGroup:
         self.grads.persistent = persistent_grads
         self.main_locals: list[torch.Tensor] = []
         self.main_params = None
-        self.offloaded = None            # _init_buffers may offload (offload/group_offload.py)
+        self.offloaded = None            # _init_buffers may offload (group/offload.py)
         self._init_buffers(offload, main_segment, from_meta)
 
     # ------------------------------------------------------------------ construction
@@ -221,7 +221,7 @@ class ParamGroup:
         self.main_shard = None if self.main_in_segment and from_meta else self._own_main_values()
         self.compute_weights_are_main_weights = (not self.strategy.optim_sharded and dt.compute == dt.main
                                                  and self.extension is None)
-        if offload is not None:          # main shard to the host (offload/group_offload.py)
+        if offload is not None:          # main shard to the host (group/offload.py)
             self.offloading.offload_main(offload)
         if self.extension is not None:   # compute weights made by the parameters' class, after the wrap
             self.model_weights = None
@@ -631,7 +631,7 @@ class ParamGroup:
         """The buffer laid out like ``main_shard`` that holds the reduced gradients."""
         if not self.requires_grad:
             return None
-        if self.offloaded is not None:           # the host copy (offload/group_offload.py)
+        if self.offloaded is not None:           # the host copy (group/offload.py)
             self.offloaded.flush()
             return self.offloaded.grad
         if self.strategy.grads_sharded:

@@ -75,7 +75,7 @@ from typing import Optional
 
 import torch
 
-from .thread_shutdown import join_thread, shut_down_at_exit
+from ..comm.thread_shutdown import join_thread, shut_down_at_exit
 
 __all__ = ["BackwardSteps", "check_steppable", "install_backward_steps"]
 

@@ -33,7 +33,7 @@ def _rank_piece_numels(group: PlannedGroup, strategy: ShardingStrategy, rank: in
 
 def _add_group(out: dict, group: PlannedGroup, strategy: ShardingStrategy, rank: int, copies: int,
                offloaded: bool, micro_batches: int) -> None:
-    """One group's bytes into ``out`` (group/param_group.py ``_init_buffers``, offload/group_offload.py
+    """One group's bytes into ``out`` (group/param_group.py ``_init_buffers``, group/offload.py
     ``offload_main``: where each buffer lives)."""
     layout, dt = group.layout, group.dtypes
     main_numel = layout.shard_numel if strategy.optim_sharded else layout.total_numel

@@ -94,6 +94,8 @@ def resolve_auto_strategy(module: nn.Module, options, comm, replicas, device: to
     """The strategy with the fewest bytes moved per step whose planned memory fits (auto.py), with
     the settings ``fully_shard`` was given (``options``: its ``WrapOptions``; ``options.auto_strategy``
     or ``AutoStrategy()`` says what to plan for)."""
+    if not isinstance(options.auto_strategy, (AutoStrategy, type(None))):    # the same on every rank
+        raise TypeError(f"auto_strategy must be an AutoStrategy or None, got {type(options.auto_strategy).__name__}.")
     auto = options.auto_strategy or AutoStrategy()
     budget = _agreed_budget(auto, [comm, replicas], device)
     shape = None if replicas is None else (replicas.size, comm.size)

@@ -34,7 +34,7 @@ import torch
 import torch.nn as nn
 from torch.autograd import Variable
 
-from ..wrap.experts import clip_norm_terms
+from .grad_norm import clip_norm_terms
 from .grad_hooks import GradHooks, refuse_tensor_hooks
 from .optimizer_hook import watch_optimizer_steps
 from ..comm import PendingCollective

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-__all__ = ["check_expert_arguments", "check_expert_group_inside", "clip_norm_terms", "expert_names_refusal",
+__all__ = ["check_expert_arguments", "check_expert_group_inside", "expert_names_refusal",
            "expert_param_ids"]
 
 
@@ -86,24 +86,3 @@ def expert_names_refusal(what: str) -> ValueError:
         "expert-parallel ranks with different values; torch.distributed.checkpoint would keep one rank's. "
         "Save them through Megatron's dist_checkpointing (megatron_fsdp_v2.megatron.FullyShardedDataParallel."
         "sharded_state_dict), which stores experts under global keys.")
-
-
-def clip_norm_terms(engine, groups, comm, norm_type: float) -> torch.Tensor:
-    """This rank's share of the gradient norm (sum of |g|^p, or the max for inf) of ``groups``,
-    made whole over ``comm`` when the strategy shards gradients' owners over it."""
-    from ..row_sharded import local_piece
-
-    inf = norm_type == float("inf")
-    grads = [local_piece(m.grad) for g in groups for m in g.main_params
-             if m.grad is not None and local_piece(m.grad).numel()]
-    device = engine.groups[0].device
-    if inf:
-        total = max((gr.detach().abs().max().float() for gr in grads), default=torch.zeros((), device=device))
-        total = total.clone().to(device)
-    else:
-        total = torch.zeros((), dtype=torch.float32, device=device)
-        for gr in grads:
-            total += gr.detach().float().norm(norm_type) ** norm_type
-    if engine.strategy.optim_sharded:      # disjoint shards: add (or max) them; unsharded grads are replicated
-        comm.all_reduce(total, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, label="grad norm")
-    return total

@@ -43,7 +43,7 @@ class WrapOptions:
     persistent_grads: bool = False
     outer_sharding_strategy: str = "no_shard"
     reduce_root_per_child: bool = False
-    auto_strategy: Any = None          # plan.resolve.AutoStrategy or None
+    auto_strategy: Any = None          # plan.resolve.AutoStrategy or None (its type checked there)
     offload: Optional[OffloadPolicy] = None
 
     @property
@@ -62,8 +62,6 @@ class WrapOptions:
     def check(self, module, wrapped_class: type, process_group) -> Optional[ShardingStrategy]:
         """The strategy (None for ``"auto"``) after checking every option's type and value, on every
         rank alike (local checks only: no collective yet)."""
-        from ..plan.resolve import AutoStrategy     # (plan imports the wrap package's unit code)
-
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}.")
         if isinstance(module, wrapped_class):
@@ -72,8 +70,6 @@ class WrapOptions:
         if self.auto_strategy is not None and not self.is_auto:
             raise ValueError(f"auto_strategy is used with sharding_strategy='auto' only, got sharding_strategy="
                              f"{self.sharding_strategy!r}; drop one of them.")
-        if self.is_auto and not isinstance(self.auto_strategy, (AutoStrategy, type(None))):
-            raise TypeError(f"auto_strategy must be an AutoStrategy or None, got {type(self.auto_strategy).__name__}.")
         self._check_types()
         if self.offload is not None and self.offload.fraction > 0 and process_group is not None and not isinstance(
                 process_group, dist.ProcessGroup):

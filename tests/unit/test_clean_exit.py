@@ -1,5 +1,5 @@
 """The offloaded-step thread ends before the process group or the interpreter goes
-(offload/thread_shutdown.py, [Note: threads at exit]): joined at ``destroy_process_group`` and by an
+(comm/thread_shutdown.py, [Note: threads at exit]): joined at ``destroy_process_group`` and by an
 ``atexit`` callback, so it is never killed inside torch's C++ code during finalization (about
 one CPU run in 16 ended with SIGABRT, "terminate called without an active exception").
 benchmarks/offload_clean_exit.py counts abnormal exits over many 2-rank runs."""

@@ -1,6 +1,7 @@
-"""A ParamGroup's verbs for offload ([Note: offload by fraction], host_link.py): moving its main
-shard to the host, feeding the weight gathers from it and landing reduced gradients there. Mixed
-into ParamGroup, apart from group/param_group.py, which is the group's buffers on the device."""
+"""A ParamGroup's offloaded part ([Note: offload by fraction], offload/host_link.py): moving its main
+shard to the host, feeding the weight gathers from it and landing reduced gradients there. A part
+the group holds (``group.offloading``), apart from param_group.py, which is the group's buffers on
+the device."""
 
 from __future__ import annotations
 
@@ -9,11 +10,11 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from ..comm import PendingCollective
-from ..group.grad_buffer import GradBuffer
-from .host_link import HostLink, OffloadedGroup
+from .grad_buffer import GradBuffer
+from ..offload.host_link import HostLink, OffloadedGroup
 
 if TYPE_CHECKING:
-    from ..group.param_group import ParamGroup
+    from .param_group import ParamGroup
 
 __all__ = ["GroupOffload"]
 

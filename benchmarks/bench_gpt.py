@@ -349,8 +349,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "(and, stepping in backward, steps on the thread) at the start of backward (default 0)")
     g.add_argument("--offload-switch-interval", type=float, default=0.0,
                    help="with step in backward: the GIL switch interval (s) while groups step on the thread "
-                   "(offload_steps.STEP_SWITCH_INTERVAL_S; 0.005 = Python's, i.e. not lowered; default 0 = the "
-                   "library's)")
+                   "(offload/backward_steps.py's STEP_SWITCH_INTERVAL_S; 0.005 = Python's, i.e. not lowered; "
+                   "default 0 = the library's)")
     g.add_argument("--cpu-threads", type=int, default=0,
                    help="torch.set_num_threads(N) before any system (the CPU optimizer steps; default 0 = torch's)")
     g.add_argument("--steps", type=int, default=None, help="timed steps (default 20)")
@@ -389,7 +389,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.offload_switch_interval < 0:
         p.error(f"--offload-switch-interval must be >= 0 seconds, got {args.offload_switch_interval}")
     if args.offload_switch_interval:
-        from megatron_fsdp_v2 import offload_steps
+        from megatron_fsdp_v2.offload import backward_steps as offload_steps
         offload_steps.STEP_SWITCH_INTERVAL_S = args.offload_switch_interval
     OFFLOAD_OPTIONS.update(step_in_backward=bool(args.offload_step_in_backward), search_step=args.offload_search,
                            step_threads=args.offload_step_threads or None,

@@ -139,7 +139,7 @@ def _host_available() -> Optional[int]:
 
 
 #: Host bytes per offloaded parameter: fp32 main 4 + Adam 8 + grads 4, the pinned ones at their
-#: exact size (host_memory.py); 0.5 more for what else the process holds. (Before the pinned
+#: exact size (offload/host_memory.py); 0.5 more for what else the process holds. (Before the pinned
 #: buffers were exact, torch's host allocator rounded them up to powers of two and 16 let the
 #: kernel's out-of-memory killer end a run: benchmarks/results/2026-12-02/largest_offload.md.)
 HOST_BYTES_PER_OFFLOADED_PARAM = 16.5

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """How fast torch's fused CPU AdamW steps one offloaded group, alone and beside what runs with it
-during an offloaded backward (offload_steps.py steps groups on a host thread while gradient
+during an offloaded backward (offload/backward_steps.py steps groups on a host thread while gradient
 copies come down, weight copies go up and autograd's thread launches the device's kernels).
 
     python3 benchmarks/cpu_step_contention.py [--numel 50000000] [--repeats 5] [--threads 16,14,12,8]
@@ -20,7 +20,7 @@ stepping thread (``torch.set_num_threads`` there) and each case:
   back to back on two side streams (host memory bandwidth shared with the copy engines);
 * ``+ launches + copies``: both, what an offloaded backward does.
 ``--switch-interval`` sets Python's GIL switch interval for the whole run (``sys.setswitchinterval``;
-5 ms by default), as offload_steps.py does while groups step during backward ([Note: the
+5 ms by default), as offload/backward_steps.py does while groups step during backward ([Note: the
 stepping thread and the GIL]). Each row also gives the ratio to ``main thread`` at the default thread count. On a CPU-only
 machine the device cases are skipped. The result decides ``OffloadPolicy(step_threads=...)``'s
 default (docs/benchmarks.md).

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""What the rank-divergence check costs a training step (collective_ledger.py, [Note: ranks that
+"""What the rank-divergence check costs a training step (comm/ledger.py, [Note: ranks that
 issue different collectives]): the 941M GPT of bench_gpt.py, wrapped by ours, as rank 0 of a fake
 N-way group (torch's fake process group: collectives are no-ops, so the step is this rank's compute
 and our host-side work), timed with the ledger
@@ -87,7 +87,7 @@ def _communicators(model) -> list:
 
 def _set_mode(model, mode: str, default_modes: dict) -> None:
     """Put every Communicator of ``model`` in ``mode`` (as the environment variable would at the wrap)."""
-    from megatron_fsdp_v2.collective_ledger import LedgerMode
+    from megatron_fsdp_v2.comm.ledger import LedgerMode
 
     for comm in _communicators(model):
         comm.ledger_mode = {"off": LedgerMode.OFF, "check-all": LedgerMode.CHECK}.get(mode, default_modes[id(comm)])
@@ -95,7 +95,7 @@ def _set_mode(model, mode: str, default_modes: dict) -> None:
 
 def ledger_us_per_call(calls: int = 200_000) -> float:
     """One recorded call alone (``LedgerMode.RECORD``): microseconds, on a scratch ledger."""
-    from megatron_fsdp_v2.collective_ledger import CollectiveLedger, LedgerMode
+    from megatron_fsdp_v2.comm.ledger import CollectiveLedger, LedgerMode
 
     ledger = CollectiveLedger(None)
     tensor = torch.empty(1 << 20, dtype=torch.bfloat16)
@@ -108,7 +108,7 @@ def ledger_us_per_call(calls: int = 200_000) -> float:
 
 def time_modes(ctx, built, model) -> dict:
     """Median step (s) per mode and the ledger records per step, the modes taking turns."""
-    from megatron_fsdp_v2.ledger_watchdog import watch
+    from megatron_fsdp_v2.comm.watchdog import watch
 
     a = ctx.args
     default_modes = {id(c): c.ledger_mode for c in _communicators(model)}

@@ -26,7 +26,7 @@ output, a reduce-scatter's input, an all-reduce's tensor), per unit:
   sharded over the inner group, replicated across the outer): the same three per micro-batch over
   the inner group with P_u(N_in); per step one all-reduce of the reduced grad shard g*S_u(N_in)
   over the outer group ("across_replicas").
-* HFSDP (the same call with ``outer_sharding_strategy="optim"``; replicas.py, [Note: sharding
+* HFSDP (the same call with ``outer_sharding_strategy="optim"``; comm/replicas.py, [Note: sharding
   across replicas (HFSDP)]): the buffer is laid out over the whole world, P_u(N) (flat ZeRO-3's
   padding), main weights, grads and Adam state sharded over all N ranks, compute weights gathered
   inside the node. Per micro-batch over the inner group: each of the three collectives is N_out
@@ -82,7 +82,7 @@ if str(REPO) not in sys.path:                  # this checkout's megatron_fsdp_v
     sys.path.insert(0, str(REPO))
 
 from megatron_fsdp_v2.comm import COLLECTIVES  # noqa: E402
-from megatron_fsdp_v2.layout import build_layout  # noqa: E402
+from megatron_fsdp_v2.group.layout import build_layout  # noqa: E402
 
 SCHEMES = ("flat_zero3", "hsdp", "hfsdp")
 SCHEME_LABELS = {"flat_zero3": "flat ZeRO-3", "hsdp": "HSDP", "hfsdp": "HFSDP"}
@@ -195,7 +195,7 @@ def layout_shards(scheme: str, topo: Topology) -> int:
 
 def unit_layout(shapes, scheme: str, topo: Topology, alignment: int):
     """A unit's layout as ``fully_shard`` builds it for ZeRO-3 under ``scheme``: per-parameter
-    shards (layout.py), except HFSDP's two-level row-snapped shards."""
+    shards (group/layout.py), except HFSDP's two-level row-snapped shards."""
     return build_layout(shapes, layout_shards(scheme, topo), alignment,
                         per_parameter=effective_scheme(scheme, topo) != "hfsdp")
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Padding of the two flat-buffer layouts (layout.py) on LLM shapes, no GPU needed.
+"""Padding of the two flat-buffer layouts (group/layout.py) on LLM shapes, no GPU needed.
 
 ZeRO-1/2/3 cut every parameter by ``torch.chunk``'s rows (per-parameter shards, [Note: per-parameter
 shards]); HFSDP and the layout ZeRO-1/2 had before 2026-12-04 snap row boundaries instead ([Note:
@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from megatron_fsdp_v2.layout import build_layout  # noqa: E402
+from megatron_fsdp_v2.group.layout import build_layout  # noqa: E402
 
 
 def llama_layer(hidden: int, intermediate: int, heads: int, kv_heads: int) -> list[tuple]:

@@ -49,7 +49,7 @@ def _phase_times(built, steps: int = 3) -> dict:
 
 
 def _backward_steps(built):
-    """The engine's stepping thread (offload_steps.BackwardSteps) of a built system, if it has one."""
+    """The engine's stepping thread (offload/backward_steps.py's BackwardSteps) of a built system, if it has one."""
     return next((s for obj in built.keep
                  if (s := getattr(getattr(obj, "_fsdp_engine", None), "backward_steps", None)) is not None), None)
 

@@ -48,7 +48,7 @@ Defaults: ``--tokenizer-type NullTokenizer`` (give ``--vocab-size``). The launch
 
 Checkpoints: ``--save DIR --save-interval N`` / ``--load DIR`` with ``--ckpt-format torch_dist``
 (Megatron-LM's default) or ``fsdp_dtensor`` (Megatron-FSDP's; the other formats are rejected). Each
-rank writes only its shards (``megatron_fsdp_v2/megatron/dist_checkpoint.py``); a checkpoint loads at
+rank writes only its shards (``megatron_fsdp_v2/megatron/checkpoint/dist_checkpoint.py``); a checkpoint loads at
 another data-parallel size and with another ``--data-parallel-sharding-strategy``, model and
 optimizer state included. With ``torch_dist``, ``--save`` writes the optimizer in Megatron DDP +
 DistributedOptimizer's layout (``fully_reshardable``; ``dp_reshardable`` when Megatron-LM asks for it:
@@ -78,7 +78,8 @@ import torch
 from megatron_fsdp_v2 import STRATEGY_NAMES, AutoStrategy
 from megatron_fsdp_v2.megatron import (FullyShardedDataParallel, check_optimizer_config, get_optimizer,
                                        read_optimizer_layout)
-from megatron_fsdp_v2.megatron.checkpoint_format import CORE_DCP, FSDP_DTENSOR, TORCH_DIST, detect_checkpoint_format
+from megatron_fsdp_v2.megatron.checkpoint.checkpoint_format import (CORE_DCP, FSDP_DTENSOR, TORCH_DIST,
+                                                               detect_checkpoint_format)
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +119,7 @@ def check_launcher_args(args: argparse.Namespace) -> None:
 
 
 def _fsdp_dtensor_save_problems(args: argparse.Namespace) -> List[str]:
-    """What Megatron-FSDP's fsdp_dtensor layout cannot hold (fsdp_dtensor_format.py): Megatron-FSDP
+    """What Megatron-FSDP's fsdp_dtensor layout cannot hold (megatron/checkpoint/fsdp_dtensor_format.py): Megatron-FSDP
     splits --swiglu's linear_fc1 and renumbers experts, and its keys carry stage-local layer numbers."""
     found = [flag for flag, on in (
         ("--swiglu", getattr(args, "swiglu", False)), ("--num-experts", getattr(args, "num_experts", None)),
@@ -438,7 +439,7 @@ def load_megatron_fsdp_checkpoint(directory: str, ddp_model, optimizer, opt_para
     iteration at a constant ``--global-batch-size``."""
     from megatron.training.global_vars import get_args
 
-    from megatron_fsdp_v2.megatron.fsdp_dtensor_format import load_fsdp_dtensor_training_state
+    from megatron_fsdp_v2.megatron.checkpoint.fsdp_dtensor_format import load_fsdp_dtensor_training_state
 
     margs = get_args()
     fresh = margs.finetune or margs.no_load_optim
@@ -461,7 +462,7 @@ def save_megatron_fsdp_checkpoint(iteration: int, model, optimizer, opt_param_sc
     from megatron.training import checkpointing
     from megatron.training.global_vars import get_args
 
-    from megatron_fsdp_v2.megatron.fsdp_dtensor_format import save_fsdp_dtensor_checkpoint
+    from megatron_fsdp_v2.megatron.checkpoint.fsdp_dtensor_format import save_fsdp_dtensor_checkpoint
 
     margs = get_args()
     directory = checkpointing.get_checkpoint_name(margs.save, iteration, release=False, return_base_dir=True)

@@ -7,13 +7,13 @@ demand, so the core runs with torch alone.
 from .checkpoint import (CheckpointCorruptError, ChecksummedFileSystemWriter, SafeFileSystemReader, UnsafeCheckpointError,
                          export_full_state_dict, load_checkpoint, load_optimizer_state_dict, optimizer_state_dict,
                          save_checkpoint)
-from .collective_ledger import CollectiveMismatchError
+from .comm.ledger import CollectiveMismatchError
 from .fully_shard import FullyShardedModule, fully_shard
 from .summon import summon_full_params
 from .mixed_precision import MixedPrecisionPolicy
 from .plan.resolve import AutoStrategy
 from .plan import Plan, plan  # noqa: E402  (the function; the package stays importable as megatron_fsdp_v2.plan)
-from .offload import OffloadPolicy
+from .offload.policy import OffloadPolicy
 from .strategy import STRATEGIES, STRATEGY_NAMES, ShardingStrategy, get_strategy
 from . import optim  # noqa: E402  (megatron_fsdp_v2.optim.Muon)
 

@@ -17,23 +17,24 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .allocators import Allocator, make_allocator
-from .build_units import build_units, initialize_units_from_meta, install_extension_params, prepare_model
+from .wrap.build_units import build_units, initialize_units_from_meta, install_extension_params, prepare_model
 from .checkpoint.state_dict import load_model_state_dict, model_state_dict
-from .engine import Engine
-from .experts import expert_names_refusal
-from .grad_buffer import reserve_gradient_segment
-from .main_segment import compact
-from .layout import default_alignment  # noqa: F401  (fully_shard.default_alignment, as before)
+from .runtime.engine import Engine
+from .wrap.experts import expert_names_refusal
+from .group.grad_buffer import reserve_gradient_segment
+from .group.main_segment import compact
+from .group.layout import default_alignment  # noqa: F401  (fully_shard.default_alignment, as before)
 from .mixed_precision import MixedPrecisionPolicy
-from .offload import HostLink, OffloadPolicy, choose_offloaded, release_shards_after_gathers
-from .offload_steps import install_backward_steps
-from .param_swap import ParamSlots
+from .offload.host_link import HostLink, release_shards_after_gathers
+from .offload.policy import OffloadPolicy, choose_offloaded
+from .offload.backward_steps import install_backward_steps
+from .runtime.param_swap import ParamSlots
 from .plan.resolve import AutoStrategy, resolve_auto_strategy
-from .rank_agreement import agree_on_wrap
+from .wrap.rank_agreement import agree_on_wrap
 from .strategy import STRATEGY_NAMES, ShardingStrategy
 from .summon import summon_full_params
-from .wrap_checks import (check_outer_sharding, check_wrap_arguments, group_device, sync_start_values,
-                          wrap_communicators)
+from .wrap.checks import check_outer_sharding, group_device, sync_start_values, wrap_communicators
+from .wrap.options import WrapOptions
 
 
 class ShardedParameter(NamedTuple):
@@ -215,7 +216,7 @@ class FullyShardedModule:
         ``"host_grads"``, ``"host_grad_staging"``, ``"host_total"``), which ``"total"`` leaves out."""
         total: dict = {}
         for group in self._fsdp_engine.groups:
-            for role, nbytes in group.persistent_bytes().items():
+            for role, nbytes in group.exporter.persistent_bytes().items():
                 total[role] = total.get(role, 0) + nbytes
         host = sum(v for k, v in total.items() if k.startswith("host_"))
         total["total"] = sum(v for k, v in total.items() if not k.startswith("host_"))
@@ -242,7 +243,7 @@ class FullyShardedModule:
         link = HostLink(engine.groups[0].device, offload) if chosen else None
         left_segment = any(engine.groups[index].main_in_segment for index in chosen)
         for index in sorted(chosen):
-            engine.groups[index].offload_main(link)
+            engine.groups[index].offloading.offload_main(link)
         if left_segment:
             compact(engine.groups)
         if chosen:        # fewer gradient buffers on the device than the wrap reserved for
@@ -257,9 +258,9 @@ class FullyShardedModule:
         identical on every rank. Gathers one group at a time."""
         out: "OrderedDict[str, torch.Tensor]" = OrderedDict()
         for group in self._fsdp_engine.groups:
-            full_main = group.gather_full_main()
+            full_main = group.exporter.gather_full_main()
             for index, names in enumerate(group.all_names):
-                value = group.full_param(full_main, index).clone()
+                value = group.exporter.full_param(full_main, index).clone()
                 for name in names:
                     out[name] = value
         for name, buffer in self._fsdp_buffers():
@@ -300,19 +301,18 @@ class FullyShardedModule:
                 yield name, buffer
 
 
-def _auto_strategy(module, options, groups, outer_sharding_strategy, unit_modules, mixed_precision,
-                   reduce_root_per_child, broadcast_buffers, offload, persistent_grads) -> ShardingStrategy:
+def _auto_strategy(module, options: WrapOptions, groups) -> ShardingStrategy:
     """``sharding_strategy="auto"`` (plan/resolve.py); what the plan does not cover is refused
     before its one collective, on every rank alike."""
     nested = [name for name, m in module.named_modules() if isinstance(m, FullyShardedModule)]
+    outer = options.outer_sharding_strategy
     refused = (["expert parameters (expert_process_group)"] if groups.experts is not None else []) + \
-        ([f"outer_sharding_strategy={outer_sharding_strategy!r} (HFSDP)"] if outer_sharding_strategy != "no_shard" else []) + \
+        ([f"outer_sharding_strategy={outer!r} (HFSDP)"] if outer != "no_shard" else []) + \
         ([f"submodules wrapped by earlier fully_shard calls ({nested[:3]})"] if nested else [])
     if refused:
         raise ValueError(f"sharding_strategy='auto' plans flat and hybrid (HSDP) sharding of one fully_shard call; "
                          f"got {', '.join(refused)}: pass one of {list(STRATEGY_NAMES)}.")
-    return resolve_auto_strategy(module, options, groups.comm, groups.replicas, group_device(groups.comm), unit_modules,
-                                 mixed_precision, reduce_root_per_child, broadcast_buffers, offload, persistent_grads)
+    return resolve_auto_strategy(module, options, groups.comm, groups.replicas, group_device(groups.comm))
 
 
 def fully_shard(
@@ -346,7 +346,7 @@ def fully_shard(
         process_group: the data-parallel group (default: the world); or, for hybrid sharding
             (HSDP), an ``(outer, inner)`` pair of groups or a 2-D DeviceMesh ``(replicate, shard)``:
             shards within ``inner``, gradients averaged across ``outer`` once per step
-            (replicas.py, [Note: hybrid sharding]).
+            (comm/replicas.py, [Note: hybrid sharding]).
         unit_modules: module classes whose every instance is its own unit (all-gather/reshard and
             gradient-reduction granularity); the rest of the model is the root unit.
         mixed_precision: dtypes of compute weights, main weights, grads and grad collectives.
@@ -356,7 +356,7 @@ def fully_shard(
         broadcast_buffers: overwrite the buffers (e.g. BatchNorm statistics) with rank 0's before
             a forward, by torch DDP's rule for its switch of the same name (default on): the first
             forward and every forward after a grad-enabled forward outside ``no_sync()``
-            (engine.py, [Note: buffers as DDP]).
+            (runtime/engine.py, [Note: buffers as DDP]).
         unused_param_grads: ``"none"`` (torch DDP / FSDP2): a parameter no rank used keeps
             ``.grad = None``, so optimizers skip it; ``"zeros"``: it gets a zero gradient
             (Megatron DDP's ``main_grad`` semantics).
@@ -367,17 +367,17 @@ def fully_shard(
             rank's rows ``[rows_here, *shape[1:]]`` (what Megatron's optimizer expects; clip with
             ``model.clip_grad_norm_``). ``no_shard`` parameters are always plain whole tensors.
         init_fn: for a module built on the meta device: called on every submodule (children before
-            their parent) instead of its ``reset_parameters()`` (meta_init.py, [Note: initializing
+            their parent) instead of its ``reset_parameters()`` (wrap/meta_init.py, [Note: initializing
             from meta]); ignored for a module whose parameters exist.
         expert_process_group: mixture-of-experts: the expert-data-parallel group (the ranks holding
             the same experts); the parameters ``expert_params(name, param)`` selects are sharded and
-            reduced over it, the rest over ``process_group`` (experts.py, [Note: expert parameters]).
+            reduced over it, the rest over ``process_group`` (wrap/experts.py, [Note: expert parameters]).
         expert_params: which parameters are experts (given with ``expert_process_group``).
         outer_sharding_strategy: hybrid sharding only: ``"no_shard"`` (HSDP: each replica keeps all
             main weights and optimizer state of its shard) or ``"optim"`` (HFSDP, Megatron's
             ``outer_dp_sharding_strategy``: main weights, gradients and optimizer state sharded over
             inner x outer, compute weights gathered within the inner group; inner strategy
-            ``optim``, ``optim_grads`` or ``optim_grads_params``; replicas.py, [Note: sharding across replicas
+            ``optim``, ``optim_grads`` or ``optim_grads_params``; comm/replicas.py, [Note: sharding across replicas
             (HFSDP)]).
         reduce_root_per_child: the root unit's parameters form one group per top-level child
             module (and one for the root's own) instead of one. ZeRO-3: a group whose gradients
@@ -388,7 +388,7 @@ def fully_shard(
         persistent_grads: ``False`` (FSDP2's behaviour): the reduced-gradient buffers live as long as
             the optimizer's ``.grad`` views of them, so ``zero_grad(set_to_none=True)`` frees them and
             the next backward allocates them again as late as possible; ``True``: kept between
-            steps (Megatron DDP's ``main_grad``) (grad_buffer.py, [Note: gradient buffers live as
+            steps (Megatron DDP's ``main_grad``) (group/grad_buffer.py, [Note: gradient buffers live as
             long as .grad]).
         auto_strategy: with ``sharding_strategy="auto"`` only: the budget, activation reserve,
             optimizer and micro-batches it plans for (``AutoStrategy()`` by default: the device's
@@ -399,7 +399,7 @@ def fully_shard(
             there as each reduce lands and they step on the CPU through the same optimizer
             (their main parameters are host tensors; e.g. ``torch.optim.AdamW(..., fused=True)``
             runs the fused kernel per device); updated weights return on a side stream, waited
-            for by the next forward's gathers (offload.py, [Note: offload by fraction]).
+            for by the next forward's gathers (offload/host_link.py, [Note: offload by fraction]).
 
     A module built on the meta device (``with torch.device("meta"):``) is materialized on the
     process group's device one initializer at a time, each rank keeping only its shards: see
@@ -409,41 +409,32 @@ def fully_shard(
     keeping its own ``mixed_precision`` (FSDP2's nesting: wrap the blocks, then the root). Every
     rank starts from rank 0's parameters and buffers.
 
-    Hooks on ``model.parameters()`` (grad_hooks.py, [Note: hooks on sharded parameters]):
+    Hooks on ``model.parameters()`` (runtime/grad_hooks.py, [Note: hooks on sharded parameters]):
     ``register_post_accumulate_grad_hook(hook)`` runs ``hook(param)`` once ``param.grad`` holds the
     reduced gradient (the end of a backward outside ``no_sync()``, or ``reduce_gradients()``), as
     FSDP2 does, so an optimizer may step there; ``register_hook`` is refused at the next forward.
     """
-    strategy = check_wrap_arguments(
-        module, FullyShardedModule, sharding_strategy=sharding_strategy, auto_strategy=auto_strategy,
-        auto_strategy_type=AutoStrategy, mixed_precision=mixed_precision, policy_type=MixedPrecisionPolicy,
-        unused_param_grads=unused_param_grads, dtensor_params=dtensor_params,
-        reduce_root_per_child=reduce_root_per_child, persistent_grads=persistent_grads, offload=offload,
-        offload_type=OffloadPolicy, process_group=process_group, init_fn=init_fn)
+    options = WrapOptions(sharding_strategy, unit_modules, mixed_precision, allocator, check_for_nan_in_grad,
+                          broadcast_buffers, unused_param_grads, dtensor_params, init_fn, expert_params,
+                          persistent_grads, outer_sharding_strategy, reduce_root_per_child, auto_strategy, offload)
+    strategy = options.check(module, FullyShardedModule, process_group)
     alloc = make_allocator(allocator)
     groups = wrap_communicators(process_group, expert_process_group, expert_params)
     if strategy is None:
-        strategy = _auto_strategy(module, auto_strategy or AutoStrategy(), groups, outer_sharding_strategy,
-                                  unit_modules, mixed_precision, reduce_root_per_child, broadcast_buffers,
-                                  offload, persistent_grads)
+        strategy = _auto_strategy(module, options, groups)
     world = check_outer_sharding(outer_sharding_strategy, strategy, groups.comm, groups.replicas, dtensor_params)
     model = prepare_model(module, strategy, groups, expert_params, unit_modules, FullyShardedModule)
-    agree_on_wrap(module, groups, model, strategy, alloc, mixed_precision=mixed_precision,
-                  broadcast_buffers=broadcast_buffers, unused_param_grads=unused_param_grads,
-                  check_for_nan_in_grad=check_for_nan_in_grad, dtensor_params=dtensor_params,
-                  persistent_grads=persistent_grads, outer_sharding_strategy=outer_sharding_strategy,
-                  reduce_root_per_child=reduce_root_per_child, offload=offload)
+    agree_on_wrap(module, groups, model, strategy, alloc, options)
     if not model.from_meta:        # a meta model is initialized the same on every rank (same RNG state)
         sync_start_values(module, groups, model.experts)
-    units = build_units(model, strategy, groups, world, alloc, mixed_precision, dtensor_params, offload,
-                        persistent_grads, reduce_root_per_child)
+    units = build_units(model, strategy, groups, world, alloc, options)
     if model.from_meta:
         initialize_units_from_meta(module, units, model.pending, model.device, init_fn)
     install_extension_params(module, units)
     engine = _install_engine(module, units, strategy, alloc, groups, world, dtensor_params)
     engine.check_for_nan_in_grad = bool(check_for_nan_in_grad)
     engine.broadcast_buffers = bool(broadcast_buffers)
-    engine.unused_grads_are_none = unused_param_grads == "none"
+    engine.unused_grads_are_none = options.unused_grads_are_none
     install_backward_steps(engine, offload)
     release_shards_after_gathers(engine.units, offload)
     return module
@@ -451,7 +442,7 @@ def fully_shard(
 
 def _install_engine(module: nn.Module, units: list, strategy, alloc, groups, world, dtensor_params: bool) -> Engine:
     """Swap the module's class for its FullySharded subclass and start the engine's hooks; between
-    steps the module's attributes hold the main parameters (param_swap.py)."""
+    steps the module's attributes hold the main parameters (runtime/param_swap.py)."""
     main_by_param = {id(param): main for unit in units for group in unit.groups
                      for param, main in zip(group.params, group.main_params)}
     main_params = OrderedDict()

@@ -1,7 +1,7 @@
 """The optimizer-facing DTensor of a rank's rows (``sharded_rows``): a plain ``DTensor(Shard(0))``
 for ``torch.chunk``'s rows, which every strategy's per-parameter shards are, and, for HFSDP's
 row-snapped pieces only, ``RowShardedTensor``: a DTensor ``Shard(0)`` over the data-parallel group
-whose rank pieces are the layout's row splits (layout.py, [Note: row-snapped shards]).
+whose rank pieces are the layout's row splits (group/layout.py, [Note: row-snapped shards]).
 
 [Note: why a DTensor subclass]
 Optimizer-facing parameters, their ``.grad`` and the optimizer state made from them are DTensors, so
@@ -42,9 +42,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .comm import all_gather_single
-from .dtensor_pickling import install_dtensor_view_pickling
-from .dtensor_indexed_writes import install_indexed_write_handlers
-from .dtensor_op_handlers import OUR_MESH_PREFIX, install_dtensor_op_handlers
+from .dtensor.pickling import install_dtensor_view_pickling
+from .dtensor.indexed_writes import install_indexed_write_handlers
+from .dtensor.op_handlers import OUR_MESH_PREFIX, install_dtensor_op_handlers
 
 __all__ = ["RowShardedTensor", "chunk_splits", "dispatch_reaches_subclasses", "gather_rows", "local_piece", "mesh_of_group", "row_sharded",
            "sharded_rows"]
@@ -456,7 +456,7 @@ def _shard0_spec(local: torch.Tensor, mesh: DeviceMesh, shape: torch.Size):
 # before pytorch/pytorch#177878; torch 2.11) route every DTensor *subclass* through the base
 # DTensor dispatcher, so RowShardedTensor.__torch_dispatch__ never runs and its ops would follow
 # torch.chunk's rows, silently wrong. Only HFSDP still makes RowShardedTensors (every strategy
-# gives plain DTensors of torch.chunk's rows), and wrap_checks refuses HFSDP with DTensor
+# gives plain DTensors of torch.chunk's rows), and wrap/checks.py refuses HFSDP with DTensor
 # parameters on such builds, asking this probe.
 def dispatch_reaches_subclasses(mesh: DeviceMesh) -> bool:
     """Whether this torch build runs a DTensor subclass's ``__torch_dispatch__`` ([Note: dispatch

@@ -33,7 +33,7 @@ class ShardingStrategy:
         reduce_every_microbatch: gradients are reduced after every backward, also inside
             ``no_sync()``; otherwise they accumulate locally until the last micro-batch.
         shards_each_parameter: every rank holds ``torch.chunk``'s rows of every parameter, as FSDP2
-            (layout.py, [Note: per-parameter shards]), rather than row-snapped pieces of one flat
+            (group/layout.py, [Note: per-parameter shards]), rather than row-snapped pieces of one flat
             buffer: every sharded strategy, so each optimizer-facing parameter is a plain
             ``DTensor(Shard(0))`` (right on every torch, interchangeable with FSDP2's) and an
             optimizer stepping one parameter at a time never makes temporaries larger than FSDP2's.

@@ -15,9 +15,9 @@ import contextlib
 import torch
 import torch.nn as nn
 
-from .param_swap import register_in_place_of
-from .phase import Phase
-from .shard_order import own_from_natural
+from .runtime.param_swap import register_in_place_of
+from .runtime.phase import Phase
+from .group.shard_order import own_from_natural
 
 
 @contextlib.contextmanager
@@ -59,8 +59,8 @@ def summon_full_params(module, recurse: bool = True, writeback: bool = True, ran
         for group in engine.groups:
             group.wait_unshard()
             group.wait_refresh()
-            full_main = group.gather_full_main()
-            full_grad = group.gather_full_grad() if with_grads else None
+            full_main = group.exporter.gather_full_main()
+            full_grad = group.exporter.gather_full_grad() if with_grads else None
             if offload_to_cpu:
                 full_main = full_main.cpu()
                 full_grad = None if full_grad is None else full_grad.cpu()
@@ -69,15 +69,15 @@ def summon_full_params(module, recurse: bool = True, writeback: bool = True, ran
                 continue
             for index, param in enumerate(group.params):
                 frozen = full_grad is None or not group.reduced[index]     # frozen since wrapping: None
-                grad = None if frozen else group.full_param(full_grad, index)
+                grad = None if frozen else group.exporter.full_param(full_grad, index)
                 if group.extension is not None:      # a class that gathers itself: a plain parameter instead
-                    stand_in = nn.Parameter(group.full_param(full_main, index), requires_grad=param.requires_grad)
+                    stand_in = nn.Parameter(group.exporter.full_param(full_main, index), requires_grad=param.requires_grad)
                     stand_in.grad = grad
                     register_in_place_of(module, param, stand_in)
                     stand_ins.append((param, stand_in))
                     continue
                 restore.append((param, param.data, param.grad))
-                param.data = group.full_param(full_main, index)
+                param.data = group.exporter.full_param(full_main, index)
                 param.grad = grad
     try:
         yield module

@@ -12,7 +12,7 @@ def expected_group_numels(info: dict, dp: int, alignment: int) -> List[int]:
     """Padded element count P of each unit's (single) group, root first then the layers in module
     order: parameters in ``named_parameters`` order, laid out by the design's rule (docs/design.md,
     "Flat layout and padding: row-snapped shards"; ``layout.build_layout`` is that rule)."""
-    from megatron_fsdp_v2.layout import build_layout
+    from megatron_fsdp_v2.group.layout import build_layout
 
     units = [""] + list(info["unit_fqns"])
     owned: Dict[str, List[str]] = {u: [] for u in units}

@@ -495,7 +495,7 @@ def writing_our_earlier_optimizer_layout(optimizer, format_version: int = 2):
     import types
 
     from megatron_fsdp_v2.checkpoint.state_dict import optimizer_state_dict
-    from megatron_fsdp_v2.megatron.dist_checkpoint import FORMAT_KEY, FORMAT_VERSION
+    from megatron_fsdp_v2.megatron.checkpoint.dist_checkpoint import FORMAT_KEY, FORMAT_VERSION
 
     leaves = list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
 

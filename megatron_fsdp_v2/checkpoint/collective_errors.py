@@ -8,7 +8,7 @@ reads) ends with ``raise_on_every_rank``. This is one small ``all_gather_object`
 every rank raises: a failed rank raises its own exception; the others raise the same class (when
 it is a built-in or checkpoint error class, else RuntimeError) with every failure's message,
 each naming its rank. The exchange is a collective of ours: its group's ledger checks that every
-rank makes it (``call`` names it; collective_ledger.py, [Note: ranks that issue different
+rank makes it (``call`` names it; comm/ledger.py, [Note: ranks that issue different
 collectives]), so a save called on rank 0 only raises ``CollectiveMismatchError`` on every rank.
 """
 
@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 
 import torch.distributed as dist
 
-from ..collective_ledger import before_collective
+from ..comm.ledger import before_collective
 from .errors import CheckpointCorruptError, UnsafeCheckpointError
 
 __all__ = ["gather_reports", "raise_on_every_rank", "raise_reported"]

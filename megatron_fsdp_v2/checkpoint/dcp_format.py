@@ -3,7 +3,7 @@ torch: no engine here. (Reading DCP files safely: safe_reader.py; checksums: int
 
 [Note: flat ranges as DCP chunks]
 A rank's main-weight shard of a parameter is a contiguous range of the parameter's row-major
-flattening that need not start or end on a row (layout.py never pads rows), so neither
+flattening that need not start or end on a row (group/layout.py never pads rows), so neither
 ``DTensor(Shard(0))`` (torch.chunk-sized pieces) nor one rectangle per rank describes it.
 ``FlatRangeShard`` does: it cuts the range into at most ``2 * ndim - 1`` boxes and declares each
 box to DCP as one chunk of the full tensor (DCP's ``_Checkpointable`` protocol)::

@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from ..collective_ledger import before_collective
+from ..comm.ledger import before_collective
 from .collective_errors import raise_on_every_rank
 from .errors import CheckpointCorruptError, corrupt, this_rank
 

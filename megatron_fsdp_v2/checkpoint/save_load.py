@@ -20,8 +20,8 @@ from .integrity import ChecksummedFileSystemWriter, CheckpointCorruptError
 from .collective_errors import gather_reports, raise_on_every_rank, raise_reported
 from .safe_reader import SafeFileSystemReader, TensorsOnlyLoadPlanner, UnsafeCheckpointError
 
-from ..collective_ledger import before_collective
-from ..experts import expert_names_refusal
+from ..comm.ledger import before_collective
+from ..wrap.experts import expert_names_refusal
 
 from .state_dict import (_CLASS_BYTES, CLASS_KEY, _decode_class, _missing_state, _model_shapes, _optimizer_mismatch,
                          _optimizer_params, _optimizer_targets, _raise_if_mismatched, _sharded_module, _torch_optimizer,
@@ -203,10 +203,10 @@ def export_full_state_dict(model, path: "str | os.PathLike", rank: int = 0) -> N
     writer = comm.rank == rank and (replicas is None or replicas.rank == 0)   # hybrid: replica 0 writes
     full: dict = {}
     for group in model._fsdp_engine.groups:
-        full_main = group.gather_full_main()
+        full_main = group.exporter.gather_full_main()
         if writer:
             for index, names in enumerate(group.all_names):
-                value = group.full_param(full_main, index).clone()
+                value = group.exporter.full_param(full_main, index).clone()
                 full.update((name, value) for name in names)
         del full_main
     if writer:

@@ -12,10 +12,10 @@
 * ``dist_checkpoint``: Megatron's ``dist_checkpointing`` (``--ckpt-format torch_dist``) for both:
   ``wrapper.sharded_state_dict()`` / ``optimizer.sharded_state_dict()`` and their ``load_state_dict``;
   ``save_dist_checkpoint`` / ``load_dist_checkpoint`` do both in one call.
-* ``save_checkpoint`` / ``load_checkpoint`` (``dcp_checkpoint.py``): the core's DCP checkpoints for the
+* ``save_checkpoint`` / ``load_checkpoint`` (``checkpoint/dcp_checkpoint.py``): the core's DCP checkpoints for the
   wrapper and Megatron's optimizers (unwrapped to the ``fully_shard`` module and torch optimizer).
-* ``load_fsdp_dtensor_checkpoint`` / ``save_fsdp_dtensor_checkpoint`` (``fsdp_dtensor_format.py``):
-  Megatron-FSDP's ``--ckpt-format fsdp_dtensor``; ``detect_checkpoint_format`` (``checkpoint_format.py``).
+* ``load_fsdp_dtensor_checkpoint`` / ``save_fsdp_dtensor_checkpoint`` (``checkpoint/fsdp_dtensor_format.py``):
+  Megatron-FSDP's ``--ckpt-format fsdp_dtensor``; ``detect_checkpoint_format`` (``checkpoint/checkpoint_format.py``).
 
 Not here (not installed): the Megatron-LM launcher ``examples/pretrain_gpt.py``, the CPU demo
 ``examples/megatron_demo.py`` and the CPU patches for the demo and the tests ``testing/cpu_compat.py``.
@@ -31,19 +31,19 @@ _EXPORTS = {
     "FullyShardedDataParallel": "adapter",
     "WeightRefreshForMegatronOptimizer": "adapter",
     "ORIGINAL_SHAPE_ATTR": "adapter",
-    "checkpoint_targets": "dcp_checkpoint",
+    "checkpoint_targets": "checkpoint.dcp_checkpoint",
     "check_ddp_config": "settings",
     "check_optimizer_config": "settings",
-    "detect_checkpoint_format": "checkpoint_format",
-    "load_fsdp_dtensor_checkpoint": "fsdp_dtensor_format",
-    "save_fsdp_dtensor_checkpoint": "fsdp_dtensor_format",
+    "detect_checkpoint_format": "checkpoint.checkpoint_format",
+    "load_fsdp_dtensor_checkpoint": "checkpoint.fsdp_dtensor_format",
+    "save_fsdp_dtensor_checkpoint": "checkpoint.fsdp_dtensor_format",
     "get_optimizer": "optimizer",
-    "load_checkpoint": "dcp_checkpoint",
-    "save_checkpoint": "dcp_checkpoint",
-    "install_optimizer_checkpointing": "dist_checkpoint",
-    "load_dist_checkpoint": "dist_checkpoint",
-    "read_optimizer_layout": "dist_checkpoint",
-    "save_dist_checkpoint": "dist_checkpoint",
+    "load_checkpoint": "checkpoint.dcp_checkpoint",
+    "save_checkpoint": "checkpoint.dcp_checkpoint",
+    "install_optimizer_checkpointing": "checkpoint.dist_checkpoint",
+    "load_dist_checkpoint": "checkpoint.dist_checkpoint",
+    "read_optimizer_layout": "checkpoint.dist_checkpoint",
+    "save_dist_checkpoint": "checkpoint.dist_checkpoint",
     "with_original_shapes": "optimizer",
 }
 

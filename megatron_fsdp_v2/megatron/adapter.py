@@ -80,8 +80,8 @@ from .meta_init import megatron_init_fn
 from .model_parallel import (TiedEmbeddingGradSum, check_tensor_parallel_peers_share_the_layout, data_parallel_group,
                              expert_data_parallel_group, expose_grads_to_finalize_model_grads, is_expert_parameter,
                              optimizer_instance_groups, tensor_parallel_group, tied_embedding_name)
-from .distopt_format import bucket_offsets, buffer_dtype_name, megatron_bucket_size
-from .dist_checkpoint import (install_model_checkpointing, megatron_layout, model_sharded_state_dict,
+from .checkpoint.distopt_format import bucket_offsets, buffer_dtype_name, megatron_bucket_size
+from .checkpoint.dist_checkpoint import (install_model_checkpointing, megatron_layout, model_sharded_state_dict,
                               model_values_from_loaded)
 from .wrap_settings import (_checked_strategy, _mixed_precision, _parallel_sizes, _unsupported_settings,  # noqa: F401
                             offload_policy)
@@ -162,7 +162,7 @@ class FullyShardedDataParallel(DistributedDataParallel):
                                            auto_strategy)
         dp_group = data_parallel_group(pg_collection)
         # --num-distributed-optimizer-instances N: hybrid sharding, each instance shards within
-        # its ranks (Megatron's intra group) and the instances average gradients (replicas.py)
+        # its ranks (Megatron's intra group) and the instances average gradients (comm/replicas.py)
         shard_group, replica_group = dp_group, None
         if ddp_config.num_distributed_optimizer_instances > 1:
             shard_group, replica_group = optimizer_instance_groups(pg_collection)
@@ -413,7 +413,7 @@ class FullyShardedDataParallel(DistributedDataParallel):
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
         """Megatron's distributed-checkpoint dict (``dist_checkpointing.save`` / ``load``): every
         parameter and buffer under its ``state_dict()`` key as ShardedTensors of this rank's shard
-        (dist_checkpoint.py, [Note: our shards as Megatron ShardedTensors]). The unwrapped module
+        (checkpoint/dist_checkpoint.py, [Note: our shards as Megatron ShardedTensors]). The unwrapped module
         Megatron-LM's ``save_checkpoint`` asks gives the same. ``metadata`` is accepted and unused."""
         dp_rank, instance = self.checkpoint_replica_ranks()
         expert_names, expert_dp_rank = self.expert_checkpoint_replicas()
@@ -439,7 +439,7 @@ class FullyShardedDataParallel(DistributedDataParallel):
     def megatron_buffer_layout(self) -> tuple:
         """(model-parallel rank, ({name: BucketSlot}, per-bucket element counts), the grad
         buffer's dtype name): where Megatron's DDP with the distributed optimizer would keep each
-        parameter's state in its buckets at this tensor/pipeline layout (distopt_format.py)."""
+        parameter's state in its buckets at this tensor/pipeline layout (checkpoint/distopt_format.py)."""
         from megatron.core import parallel_state as ps
 
         pg = self.pg_collection

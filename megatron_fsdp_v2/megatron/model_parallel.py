@@ -37,7 +37,7 @@ def data_parallel_group(pg_collection):
 
 def optimizer_instance_groups(pg_collection):
     """(the ranks of this distributed-optimizer instance, the group linking the instances):
-    Megatron's ``intra_dp_cp`` and ``inter_dist_opt`` groups (hybrid sharding, replicas.py)."""
+    Megatron's ``intra_dp_cp`` and ``inter_dist_opt`` groups (hybrid sharding, comm/replicas.py)."""
     if pg_collection is not None:
         shard, replica = getattr(pg_collection, "intra_dp_cp", None), getattr(pg_collection, "inter_dist_opt", None)
         if shard is None or replica is None:
@@ -53,7 +53,7 @@ def optimizer_instance_groups(pg_collection):
 def expert_data_parallel_group(pg_collection):
     """The ranks holding the same experts (Megatron's expert-data-parallel group,
     ``pg_collection.expt_dp``): expert parameters (``allreduce=False``) are sharded and reduced over
-    it, as Megatron DDP's ``expert_parallel_buffers`` are (experts.py in the core)."""
+    it, as Megatron DDP's ``expert_parallel_buffers`` are (wrap/experts.py in the core)."""
     if pg_collection is not None:
         group = getattr(pg_collection, "expt_dp", None)
         if group is None:

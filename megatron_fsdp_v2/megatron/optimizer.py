@@ -34,7 +34,7 @@ parameters are pieces):
    ``ChainedOptimizer`` (Megatron skips large-norm steps there only; its FSDP path's bare optimizer
    would step).
 
-5. **Checkpoints.** Each leaf optimizer gets ``ShardedOptimizerCheckpoint`` (dist_checkpoint.py):
+5. **Checkpoints.** Each leaf optimizer gets ``ShardedOptimizerCheckpoint`` (checkpoint/dist_checkpoint.py):
    ``sharded_state_dict`` / ``load_state_dict`` for Megatron's ``dist_checkpointing``
    (``--ckpt-format torch_dist``), resharding across dp sizes and strategies; Megatron's own
    version only knows Megatron-FSDP's DTensors on this path.
@@ -42,7 +42,7 @@ parameters are pieces):
 5. **CPU offload.** ``optimizer_cpu_offload`` (``--optimizer-cpu-offload``) with
    ``optimizer_offload_fraction`` and ``overlap_cpu_optimizer_d2h_h2d``: ``adapter.offload_policy``
    maps them to an ``OffloadPolicy``, the chunks offload that fraction of their groups
-   (``set_offload``; offload.py, [Note: offload by fraction]) and each leaf's inner Adam becomes
+   (``set_offload``; offload/host_link.py, [Note: offload by fraction]) and each leaf's inner Adam becomes
    torch's fused Adam/AdamW, which steps host and device tensors alike, instead of Megatron's
    ``HybridDeviceOptimizer``.
 
@@ -74,7 +74,7 @@ from megatron.core.optimizer.optimizer_config import ParamWithNamePredicate
 
 from .adapter import ORIGINAL_SHAPE_ATTR, FullyShardedDataParallel
 from .wrap_settings import offload_policy
-from .dist_checkpoint import install_optimizer_checkpointing
+from .checkpoint.dist_checkpoint import install_optimizer_checkpointing
 from .model_parallel import is_expert_parameter
 from .muon import distribute_orthogonalized, require_emerging_optimizers
 from .settings import check_optimizer_config

@@ -94,7 +94,7 @@ def main_params_dtype(model_config, ddp_config) -> torch.dtype:
 
 
 # ---------------------------------------------------------------- CPU offload
-# --optimizer-cpu-offload is our offload by fraction (adapter.offload_policy, offload.py): the
+# --optimizer-cpu-offload is our offload by fraction (adapter.offload_policy, offload/host_link.py): the
 # chunks offload whole groups and their inner Adam steps on each device. Megatron's argument
 # validation demands --use-precision-aware-optimizer with it (its hybrid optimizer reuses that
 # path); with fp32 optimizer dtypes that flag changes nothing here, so it is accepted with offload
@@ -218,7 +218,7 @@ DDP_SETTINGS: Dict[str, Setting] = {s.field: s for s in (
     _refused("fp8_param_gather", "--fp8-param-gather",
              "honoured with Transformer Engine installed; refused when True without it",
              "its FP8 parameters are Transformer Engine's Float8Tensor / MXFP8Tensor, gathered through FSDP2's "
-             "all-gather extension (extension_weights.py), and Transformer Engine is not installed",
+             "all-gather extension (extensions/weights.py), and Transformer Engine is not installed",
              when=_fp8_param_gather_without_te),
     _refused("fp4_param_gather", "--fp4-param-gather", "refused when True", "FP4 compute weights are not supported"),
     _refused("reuse_grad_buf_for_mxfp8_param_ag", "--reuse-grad-buf-for-mxfp8-param-ag", "refused when True",

@@ -16,7 +16,7 @@ from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from ..mixed_precision import MixedPrecisionPolicy
-from ..offload import OffloadPolicy
+from ..offload.policy import OffloadPolicy
 from ..strategy import STRATEGY_NAMES, get_strategy
 from .settings import check_ddp_config, main_params_dtype
 

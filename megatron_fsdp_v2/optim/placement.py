@@ -10,7 +10,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..comm import Communicator
-from ..optimizer_hook import engine_holding
+from ..runtime.optimizer_hook import engine_holding
 from ..row_sharded import chunk_splits
 
 __all__ = ["MatrixRows", "matrix_rows"]

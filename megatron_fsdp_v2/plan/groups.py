@@ -1,7 +1,7 @@
 """The groups ``fully_shard`` would build for a module, without building them.
 
-Every step here is the code ``fully_shard`` runs (units.py ``assign_units`` / ``group_specs``,
-mixed_precision.py ``resolve_dtypes``, layout.py ``build_layout``), applied to parameter shapes
+Every step here is the code ``fully_shard`` runs (wrap/units.py ``assign_units`` / ``group_specs``,
+mixed_precision.py ``resolve_dtypes``, group/layout.py ``build_layout``), applied to parameter shapes
 alone, so a model on the meta device is enough and the plan cannot drift from the engine.
 """
 
@@ -12,9 +12,9 @@ from typing import Optional, Sequence
 
 import torch.nn as nn
 
-from ..layout import FlatLayout, build_layout
+from ..group.layout import FlatLayout, build_layout
 from ..mixed_precision import GroupDtypes, MixedPrecisionPolicy, full_precision_param_ids, resolve_dtypes
-from ..units import assign_units, group_specs
+from ..wrap.units import assign_units, group_specs
 
 __all__ = ["PlannedGroup", "PlannedUnit", "planned_units"]
 
@@ -59,7 +59,7 @@ def planned_units(module: nn.Module, unit_modules: Optional[Sequence[type]],
                   reduce_root_per_child: bool = False, per_parameter: bool = False) -> list[PlannedUnit]:
     """The units and groups ``fully_shard`` builds for ``module`` over ``shard_size`` ranks (root
     first, then module order: the order a forward that runs the units in module order takes);
-    ``per_parameter``: the strategy's ``shards_each_parameter`` (layout.py)."""
+    ``per_parameter``: the strategy's ``shards_each_parameter`` (group/layout.py)."""
     out = []
     for spec in assign_units(module, unit_modules):
         full_precision = full_precision_param_ids(spec.module, mixed_precision)

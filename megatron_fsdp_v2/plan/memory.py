@@ -33,7 +33,7 @@ def _rank_piece_numels(group: PlannedGroup, strategy: ShardingStrategy, rank: in
 
 def _add_group(out: dict, group: PlannedGroup, strategy: ShardingStrategy, rank: int, copies: int,
                offloaded: bool, micro_batches: int) -> None:
-    """One group's bytes into ``out`` (param_group.py ``_init_buffers``, group_offload.py
+    """One group's bytes into ``out`` (group/param_group.py ``_init_buffers``, group/offload.py
     ``offload_main``: where each buffer lives)."""
     layout, dt = group.layout, group.dtypes
     main_numel = layout.shard_numel if strategy.optim_sharded else layout.total_numel
@@ -64,7 +64,7 @@ def _add_group(out: dict, group: PlannedGroup, strategy: ShardingStrategy, rank:
     state = copies * pieces * dt.main.itemsize
     if offloaded:
         out["host_grads"] += main_numel * dt.grad.itemsize
-        if strategy.grads_sharded and micro_batches > 1:  # a later micro-batch's landing (offload.py)
+        if strategy.grads_sharded and micro_batches > 1:  # a later micro-batch's landing (offload/host_link.py)
             out["host_grad_staging"] += main_numel * dt.grad.itemsize
         out["host_optimizer_state"] += state
     else:

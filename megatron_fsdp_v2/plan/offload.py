@@ -1,7 +1,7 @@
 """CPU offload in the plan: which groups ``fully_shard(..., offload=OffloadPolicy(fraction=f))``
 puts on the host, and what crosses the host link per step.
 
-The choice is offload.py's own (``choose_offloaded`` over ``offload_choice_bytes``: whole groups,
+The choice is offload/policy.py's own (``choose_offloaded`` over ``offload_choice_bytes``: whole groups,
 from the last back, by their parameters' main-weight bytes), so it cannot drift from the engine.
 Per step and offloaded trainable group ([Note: offload by fraction]):
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..offload import OffloadPolicy, choose_offloaded, offload_choice_bytes
+from ..offload.policy import OffloadPolicy, choose_offloaded, offload_choice_bytes
 from ..strategy import ShardingStrategy
 from .groups import PlannedGroup
 

@@ -13,9 +13,9 @@ from typing import Optional, Sequence, Union
 import torch
 import torch.nn as nn
 
-from ..layout import default_alignment
+from ..group.layout import default_alignment
 from ..mixed_precision import MixedPrecisionPolicy
-from ..offload import OffloadPolicy
+from ..offload.policy import OffloadPolicy
 from ..strategy import STRATEGY_NAMES, ShardingStrategy, get_strategy
 from .auto import choose
 from .groups import planned_units
@@ -23,6 +23,7 @@ from .memory import OPTIMIZER_STATE_COPIES, rank_persistent_bytes
 from .offload import backward_upload_transient, check_offload, host_transfers, offloaded_groups, upload_transients
 from .phases import check_activation_bytes, step_phases
 from .report import Plan, StrategyPlan
+from ..wrap.options import WrapOptions
 from .schedule import ring_bytes, step_comm, step_temporaries
 
 __all__ = ["plan", "plan_candidates"]
@@ -62,7 +63,7 @@ def _check(module, optimizer, micro_batches, mixed_precision) -> None:
 
 
 def _buffer_bytes(module: nn.Module) -> list:
-    """Bytes of each per-dtype broadcast ``broadcast_buffers`` sends (comm.py coalesces by dtype)."""
+    """Bytes of each per-dtype broadcast ``broadcast_buffers`` sends (comm/collectives.py coalesces by dtype)."""
     by_dtype: dict = {}
     for buffer in module.buffers():
         if buffer.numel():
@@ -106,23 +107,23 @@ def _candidate(units: list, strategy: ShardingStrategy, shape, world_size: int, 
                         host_transfers(groups, offloaded, strategy, k), phases, job.activation_bytes)
 
 
-def plan_candidates(module: nn.Module, strategies, world_size: int, hybrid_shape, mixed_precision,
-                    optimizer: str, micro_batches: int, unit_modules, device: str,
-                    reduce_root_per_child: bool, broadcast_buffers: bool, offload=None, offload_fractions=None,
-                    activation_bytes: Optional[int] = None, persistent_grads: bool = False) -> list[StrategyPlan]:
-    """One ``StrategyPlan`` per (hybrid shape, strategy, offload fraction), in that order."""
-
-    _check(module, optimizer, micro_batches, mixed_precision)
+def plan_candidates(module: nn.Module, strategies, world_size: int, hybrid_shape, options: WrapOptions, *,
+                    optimizer: str, micro_batches: int, device: str, offload_fractions=None,
+                    activation_bytes: Optional[int] = None) -> list[StrategyPlan]:
+    """One ``StrategyPlan`` per (hybrid shape, strategy, offload fraction), in that order; the
+    wrap settings are ``fully_shard``'s (``options``: a ``WrapOptions``, its strategy unused)."""
+    offload = options.offload
+    _check(module, optimizer, micro_batches, options.mixed_precision)
     if isinstance(strategies, (str, ShardingStrategy)):
         strategies = [strategies]
     strategies = [get_strategy(s, argument="strategies") for s in strategies]
     fractions = check_offload(offload, offload_fractions)
-    if not isinstance(persistent_grads, bool):
-        raise TypeError(f"persistent_grads must be True or False, got {persistent_grads!r}.")
-    job = _Job(optimizer, micro_batches, persistent_grads, check_activation_bytes(activation_bytes),
-               _buffer_bytes(module) if broadcast_buffers else [],
+    if not isinstance(options.persistent_grads, bool):
+        raise TypeError(f"persistent_grads must be True or False, got {options.persistent_grads!r}.")
+    job = _Job(optimizer, micro_batches, options.persistent_grads, check_activation_bytes(activation_bytes),
+               _buffer_bytes(module) if options.broadcast_buffers else [],
                isinstance(offload, OffloadPolicy) and offload.step_in_backward,
-               reduce_root_per_child and not (isinstance(offload, OffloadPolicy) and offload.release_after_gather))
+               options.reduce_root_per_child and not (isinstance(offload, OffloadPolicy) and offload.release_after_gather))
     alignment = default_alignment(torch.device(device))
     out = []
     for shape in _shapes(world_size, hybrid_shape):
@@ -130,8 +131,8 @@ def plan_candidates(module: nn.Module, strategies, world_size: int, hybrid_shape
             raise ValueError(f"offload: CPU offload with hybrid sharding is not supported (fully_shard refuses it); "
                              f"got hybrid_shape {shape} with offload fraction(s) {[f for f in fractions if f]}.")
         inner = shape[1] if shape is not None else world_size
-        units = {each: planned_units(module, unit_modules, mixed_precision, inner, alignment, reduce_root_per_child,
-                                     per_parameter=each)
+        units = {each: planned_units(module, options.unit_modules, options.mixed_precision, inner, alignment,
+                                     options.reduce_root_per_child, per_parameter=each)
                  for each in {s.shards_each_parameter for s in strategies}}
         for strategy in strategies:
             out += [_candidate(units[strategy.shards_each_parameter], strategy, shape, world_size, f, job)
@@ -177,9 +178,12 @@ def plan(module: nn.Module, strategies: Union[str, Sequence] = STRATEGY_NAMES, *
     ``fully_shard`` calls, offload with hybrid sharding; without ``activation_bytes``, activations
     (leave room for them in ``budget_bytes``).
     """
-    candidates = plan_candidates(module, strategies, world_size, hybrid_shape, mixed_precision, optimizer,
-                                 micro_batches, unit_modules, device, reduce_root_per_child, broadcast_buffers,
-                                 offload, offload_fractions, activation_bytes, persistent_grads)
+    options = WrapOptions("auto", unit_modules=unit_modules, mixed_precision=mixed_precision,
+                          broadcast_buffers=broadcast_buffers, persistent_grads=persistent_grads,
+                          reduce_root_per_child=reduce_root_per_child, offload=offload)
+    candidates = plan_candidates(module, strategies, world_size, hybrid_shape, options, optimizer=optimizer,
+                                 micro_batches=micro_batches, device=device, offload_fractions=offload_fractions,
+                                 activation_bytes=activation_bytes)
     chosen = runner_up = None
     if budget_bytes is not None:
         chosen, runner_up = choose(candidates, budget_bytes)

@@ -90,18 +90,19 @@ def _agreed_budget(options: AutoStrategy, comms: list, device: torch.device) -> 
     return budget
 
 
-def resolve_auto_strategy(module: nn.Module, options: AutoStrategy, comm, replicas, device: torch.device,
-                          unit_modules, mixed_precision, reduce_root_per_child: bool,
-                          broadcast_buffers: bool, offload=None, persistent_grads: bool = False) -> ShardingStrategy:
+def resolve_auto_strategy(module: nn.Module, options, comm, replicas, device: torch.device) -> ShardingStrategy:
     """The strategy with the fewest bytes moved per step whose planned memory fits (auto.py), with
-    the ``offload`` policy fully_shard was given."""
-    budget = _agreed_budget(options, [comm, replicas], device)
+    the settings ``fully_shard`` was given (``options``: its ``WrapOptions``; ``options.auto_strategy``
+    or ``AutoStrategy()`` says what to plan for)."""
+    if not isinstance(options.auto_strategy, (AutoStrategy, type(None))):    # the same on every rank
+        raise TypeError(f"auto_strategy must be an AutoStrategy or None, got {type(options.auto_strategy).__name__}.")
+    auto = options.auto_strategy or AutoStrategy()
+    budget = _agreed_budget(auto, [comm, replicas], device)
     shape = None if replicas is None else (replicas.size, comm.size)
     world = comm.size * (1 if replicas is None else replicas.size)
-    candidates = plan_candidates(module, STRATEGY_NAMES, world, shape, mixed_precision, options.optimizer,
-                                 options.micro_batches, unit_modules, device.type, reduce_root_per_child,
-                                 broadcast_buffers, offload=offload, activation_bytes=options.activation_bytes,
-                                 persistent_grads=persistent_grads)
+    candidates = plan_candidates(module, STRATEGY_NAMES, world, shape, options, optimizer=auto.optimizer,
+                                 micro_batches=auto.micro_batches, device=device.type,
+                                 activation_bytes=auto.activation_bytes)
     chosen, runner_up = choose(candidates, budget)
     announce_choice(chosen, runner_up, budget, comm.rank == 0 and (replicas is None or replicas.rank == 0))
     return get_strategy(chosen.strategy)

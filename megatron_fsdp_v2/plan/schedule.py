@@ -1,7 +1,7 @@
 """One step's temporaries and collectives, replayed from the engine's schedule on planned groups.
 
 [Note: the planned schedule]
-engine.py ([Note: the life of one training step], [Note: bounds on temporary buffers]) decides
+runtime/engine.py ([Note: the life of one training step], [Note: bounds on temporary buffers]) decides
 when a group allocates from the allocator and when it talks; this file writes the same order
 down as an allocation trace (allocators/pool_plan.py's events, so ``peak_bytes`` and
 ``plan_pool`` -- the trace-pool allocator's own planner -- give the peak per allocator) and as

@@ -180,7 +180,7 @@ def test_gradient_buffers_come_from_their_own_pool(world):
     """[Note: gradient buffers from their own pool]: every reduced-gradient buffer's block lies in
     a segment of the gradient pool's stream, never in the compute stream's (whose transients
     would otherwise split it), and a second step reuses the first step's blocks (no new segment)."""
-    from megatron_fsdp_v2.grad_buffer import gradient_pool_stream
+    from megatron_fsdp_v2.group.grad_buffer import gradient_pool_stream
 
     if not world.is_cuda:
         pytest.skip("needs CUDA: the caching allocator's per-stream pools")

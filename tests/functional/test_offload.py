@@ -6,7 +6,7 @@ bring it back, never a value: with it, training is bitwise the training without 
 final weights). The stepping thread made a released shard in the compute stream's pool, where the
 caching allocator could hand it a block backward was still using; on the H200 the 941M GPT's loss
 then drifted or became NaN in some runs ([Note: a device buffer made on the stepping thread] in
-offload.py). The model here (8 layers of hidden 2048, 8k tokens a step) gives each layer's
+offload/host_link.py). The model here (8 layers of hidden 2048, 8k tokens a step) gives each layer's
 backward enough device time for the host to run ahead, so that backward frees blocks while the
 thread uploads, as in the run that showed the race.
 """

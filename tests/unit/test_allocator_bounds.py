@@ -1,4 +1,4 @@
-"""Issue 3: the engine's temporary buffers stay within the bounds ``engine.py`` promises.
+"""Issue 3: the engine's temporary buffers stay within the bounds ``runtime/engine.py`` promises.
 
 Every temporary (ZeRO-3's unsharded weights, ZeRO-2/3's full-size grads) goes through the
 allocator, and ``Allocator.allocate`` updates ``peak_live_bytes`` on every call, so the peak read

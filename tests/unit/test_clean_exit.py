@@ -1,5 +1,5 @@
 """The offloaded-step thread ends before the process group or the interpreter goes
-(thread_shutdown.py, [Note: threads at exit]): joined at ``destroy_process_group`` and by an
+(comm/thread_shutdown.py, [Note: threads at exit]): joined at ``destroy_process_group`` and by an
 ``atexit`` callback, so it is never killed inside torch's C++ code during finalization (about
 one CPU run in 16 ended with SIGABRT, "terminate called without an active exception").
 benchmarks/offload_clean_exit.py counts abnormal exits over many 2-rank runs."""
@@ -79,7 +79,7 @@ EXIT_SCRIPT = textwrap.dedent("""
     atexit.register(check)
     sys.path.insert(0, {root!r})
     import torch.distributed as dist
-    import megatron_fsdp_v2.offload_steps as offload_steps
+    import megatron_fsdp_v2.offload.backward_steps as offload_steps
     from tests.unit.models import make_batches
     from tests.unit.scenarios import loss_fn
     from tests.unit.test_clean_exit import _stepping_threads, _train_offloaded

@@ -18,7 +18,7 @@ import torch
 import megatron_fsdp_v2
 from megatron_fsdp_v2 import STRATEGY_NAMES, FullyShardedModule, fully_shard
 from megatron_fsdp_v2.row_sharded import local_piece
-from megatron_fsdp_v2.phase import Phase, PhaseMachine
+from megatron_fsdp_v2.runtime.phase import Phase, PhaseMachine
 
 from .dist_utils import run_distributed
 from .models import Block, UnevenNet, make_batches
@@ -37,8 +37,9 @@ _NOT_CORE = {"_replace", "_asdict", "_fields", "_fsdp_v2_model", "_fsdp_v2_dp_ra
              "_fsdp_v2_expert_names", "_fsdp_v2_expert_dp_rank", "_get_filesystem_reader", "_local_tensor",
              "_filter_grads_for_norm", "_fsdp_v2_dp_size", "_fsdp_v2_mp_rank", "_fsdp_v2_buckets",
              "_fsdp_v2_bucket_dtype", "_fsdp_v2_source", "_fsdp_v2_shapes",
-             "_replica_rank",                       # ShardedOptimizerCheckpoint's own method (dist_checkpoint.py)
-             "_compute_per_buffer_param_layout"}   # Megatron's own bucket layout (distopt_format.py)
+             "_replica_rank",                       # ShardedOptimizerCheckpoint's own method
+                                                    # (megatron/checkpoint/dist_checkpoint.py)
+             "_compute_per_buffer_param_layout"}   # Megatron's bucket layout (megatron/checkpoint/distopt_format.py)
 
 
 def _underscore_reads(path: pathlib.Path) -> list[str]:
@@ -56,7 +57,7 @@ def _underscore_reads(path: pathlib.Path) -> list[str]:
 
 
 def test_the_adapter_reads_no_underscore_attribute_of_a_core_object():
-    offenders = [hit for path in sorted(ADAPTER.glob("*.py")) for hit in _underscore_reads(path)]
+    offenders = [hit for path in sorted(ADAPTER.rglob("*.py")) for hit in _underscore_reads(path)]
     assert offenders == []
 
 

@@ -102,7 +102,7 @@ def test_ranks_with_different_models_fail_fast_instead_of_hanging():
 
 
 def test_first_difference_names_a_missing_or_renamed_parameter():
-    from megatron_fsdp_v2.wrap_checks import first_difference
+    from megatron_fsdp_v2.wrap.checks import first_difference
 
     a = [("w", (2, 3), "torch.float32", True), ("b", (3,), "torch.float32", True)]
     assert first_difference(a, a[:1], 0, 2) == ("first difference: rank 0 has 2 parameters, rank 2 1; the first "

@@ -222,7 +222,7 @@ def test_deepseek_v3_expert_shapes_pad_under_half_a_percent_at_ep2_dp4():
     256 experts over EP2: 128 per rank) sharded over the expert-data-parallel group of EP2 x DP4
     (4 ranks), as one unit's expert group on a GPU (64-element alignment): the padding is below
     0.5% (Megatron-FSDP's LCM padding grew with these shapes); also at 8 and 2 shards."""
-    from megatron_fsdp_v2.layout import build_layout
+    from megatron_fsdp_v2.group.layout import build_layout
 
     shapes = [shape for _ in range(256 // 2) for shape in ((2 * 2048, 7168), (7168, 2048))]
     real = sum(rows * cols for rows, cols in shapes)

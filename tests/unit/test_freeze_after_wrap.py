@@ -3,7 +3,7 @@
 ``requires_grad_(False)`` on the weights of a wrapped model, biases left trainable: the next backward
 reduces what the same model frozen *before* wrapping reduces (the same bytes and calls, every
 strategy, however the wrap-time layout spread the trainable rows over the ranks: an uneven
-reduce-scatter, see trainable_pack.py), the weights after each step are
+reduce-scatter, see group/trainable_pack.py), the weights after each step are
 bitwise those of the model frozen before wrapping, frozen parameters keep ``.grad`` None, and
 unfreezing brings the whole reduction back, training as a torch reference does.
 """
@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from megatron_fsdp_v2 import STRATEGY_NAMES, fully_shard
-from megatron_fsdp_v2.layout import build_layout
+from megatron_fsdp_v2.group.layout import build_layout
 
 from .dist_utils import run_distributed
 from .models import Block, UnevenNet
@@ -160,7 +160,7 @@ def expected(strategy, model_name, frozen):
         calls, nbytes = (2, 192) if frozen else (3, 2 * 1120 + 4 * 48)
     else:
         calls = 4                       # the root group [proj | head | offset] keeps proj.bias, offset
-        # ZeRO-1/2/3 pad each parameter to dp pieces of torch.chunk rows (layout.py, [Note: per-parameter
+        # ZeRO-1/2/3 pad each parameter to dp pieces of torch.chunk rows (group/layout.py, [Note: per-parameter
         # shards]); no_shard all-reduces the unsharded layout
         per_parameter = strategy != "no_shard"
         nbytes = (712 if per_parameter else 680) if frozen else (13728 if per_parameter else 12992)
@@ -254,7 +254,7 @@ def test_pack_layout():
     """The all-reduce pack is the trainable-only layout itself; the reduce-scatter pack gives chunk
     r exactly rank r's trainable pieces (T_r long, the last also the trainable-only layout's
     padding), the input as long as that layout."""
-    from megatron_fsdp_v2.trainable_pack import trainable_pack
+    from megatron_fsdp_v2.group.trainable_pack import trainable_pack
 
     shapes = [(16, 8), (16,), (8, 16), (8,)]
     layout = build_layout(shapes, 2)

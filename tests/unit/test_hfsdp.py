@@ -1,6 +1,6 @@
 """HFSDP: ``fully_shard(..., process_group=(outer, inner), outer_sharding_strategy="optim")``: main
 weights, gradients and optimizer state sharded over the whole world, compute weights gathered in
-the inner group only (replicas.py, [Note: sharding across replicas (HFSDP)]).
+the inner group only (comm/replicas.py, [Note: sharding across replicas (HFSDP)]).
 
 CPU gloo at 4 ranks (2 replicas x 2 shards, groups and a 2-D mesh) and 8 ranks (2 x 4), inner
 ``optim``, ``optim_grads`` and ``optim_grads_params``:
@@ -145,7 +145,7 @@ def test_hfsdp_refuses_what_it_cannot_shard_on_every_rank():
 
 def bypass_worker(rank, world):
     """HFSDP on a torch whose DTensor dispatch skips subclasses (torch 2.11): stood in for by the probe."""
-    import megatron_fsdp_v2.wrap_checks as wrap_checks
+    import megatron_fsdp_v2.wrap.checks as wrap_checks
     outer, inner = _hybrid_groups(world, 2)
     out = {"reaches": wrap_checks.dispatch_reaches_subclasses(wrap_checks.mesh_of_group(None, torch.device("cpu")))}
     real = wrap_checks.dispatch_reaches_subclasses

@@ -10,7 +10,7 @@ import types
 import pytest
 import torch
 
-from megatron_fsdp_v2 import host_memory
+from megatron_fsdp_v2.offload import host_memory
 
 
 @pytest.fixture

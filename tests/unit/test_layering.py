@@ -55,3 +55,57 @@ def test_scaffolding_stays_out_of_the_installed_package(monkeypatch):
     pattern = re.compile(r"^\s*(from|import)\s+(testing|examples|tests)(\.|\s|$)", re.M)
     offenders = [str(p.relative_to(root)) for p in root.rglob("*.py") if pattern.search(p.read_text())]
     assert offenders == []
+
+
+def _room(module: str) -> str:
+    """The folder (or top-level module) a module of the package belongs to."""
+    import pathlib
+
+    parts = module.split(".")
+    root = pathlib.Path(megatron_fsdp_v2.__file__).parent
+    return parts[1] if len(parts) > 1 and (len(parts) > 2 or (root / parts[1]).is_dir()) else \
+        (parts[1] if len(parts) > 1 else "__init__")
+
+
+def _folder_imports() -> dict:
+    """{folder: folders its modules import at module level} (lazy imports inside functions and
+    ``if TYPE_CHECKING:`` blocks excluded), from the sources."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(megatron_fsdp_v2.__file__).parent
+    edges: dict = {}
+    for path in root.rglob("*.py"):
+        parts = list(path.relative_to(root.parent).with_suffix("").parts)
+        package = parts if parts[-1] == "__init__" else parts[:-1]
+        package = [p for p in package if p != "__init__"]
+        module = ".".join(p for p in parts if p != "__init__")
+        for node in ast.parse(path.read_text()).body:
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            base = package[:len(package) - (node.level - 1)] if node.level else []
+            target = ".".join(base + [node.module]) if node.module else ".".join(base)
+            if target.startswith("megatron_fsdp_v2") and _room(module) != _room(target):
+                edges.setdefault(_room(module), set()).add(_room(target))
+    return edges
+
+
+def test_no_folder_imports_one_that_imports_it_back():
+    """Issue 50: the folders are layers (wrap -> runtime -> group -> offload -> comm ...); an import
+    that runs back up would tie two of them into one."""
+    edges = _folder_imports()
+    assert {"wrap", "runtime", "group", "offload", "plan"} <= set(edges), sorted(edges)     # (comm imports none)
+    state: dict = {}
+
+    def cycle_from(node, path):
+        state[node] = "open"
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == "open":
+                return path + [nxt]
+            if nxt not in state and (found := cycle_from(nxt, path + [nxt])):
+                return found
+        state[node] = "done"
+        return None
+
+    cycles = [found for start in sorted(edges) if start not in state and (found := cycle_from(start, [start]))]
+    assert cycles == [], cycles

@@ -1,4 +1,4 @@
-"""Properties of the pure flat-buffer layout ([Note: row-snapped shards] in layout.py), with hypothesis,
+"""Properties of the pure flat-buffer layout ([Note: row-snapped shards] in group/layout.py), with hypothesis,
 and its padding on realistic shapes against the bound design.md states."""
 
 import math
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_fsdp_v2.layout import build_layout, row_numel
+from megatron_fsdp_v2.group.layout import build_layout, row_numel
 
 shape_lists = st.lists(st.lists(st.integers(min_value=0, max_value=9), min_size=0, max_size=3).map(tuple),
                        min_size=1, max_size=10)

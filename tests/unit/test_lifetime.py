@@ -13,7 +13,7 @@ import weakref
 import torch
 
 from megatron_fsdp_v2 import STRATEGY_NAMES, fully_shard
-from megatron_fsdp_v2.pre_backward import ForwardRecord, SavedWeightHooks
+from megatron_fsdp_v2.runtime.pre_backward import ForwardRecord, SavedWeightHooks
 
 from .dist_utils import run_distributed
 from .models import Block, UnevenNet, make_batches

@@ -1,4 +1,4 @@
-"""ZeRO-3's main shards of one rank are views of one allocation (main_segment.py, [Note: one
+"""ZeRO-3's main shards of one rank are views of one allocation (group/main_segment.py, [Note: one
 segment for the main shards]): one caching-allocator remainder per rank, not one per group.
 
 On CPU the allocator does not round, so these tests check the layout the GPU reading relies on
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_fsdp_v2 import OffloadPolicy, fully_shard
-from megatron_fsdp_v2.main_segment import segment_views
+from megatron_fsdp_v2.group.main_segment import segment_views
 
 from .dist_utils import run_distributed
 from .models import Block, UnevenNet, make_batches

@@ -427,7 +427,7 @@ def test_comm_follows_the_strategy(two_ranks):
     comm = {s: two_ranks[0][("plain_sgd", s)]["comm"] for s in STRATEGIES}
     psi = comm["optim"]["reduce_scatter"]["bytes"] / ITERS       # ZeRO-1: one reduce-scatter per step
 
-    # ZeRO-3 pads each parameter to dp torch.chunk pieces (layout.py, [Note: per-parameter shards]),
+    # ZeRO-3 pads each parameter to dp torch.chunk pieces (group/layout.py, [Note: per-parameter shards]),
     # the others one row-snapped buffer: its psi is its own, within a fraction of a percent
     psi3 = comm["optim_grads_params"]["reduce_scatter"]["bytes"] / (ITERS * NMB)
     assert abs(psi3 - psi) / psi < 0.01, (psi3, psi)

@@ -164,7 +164,7 @@ def _loads_in_place(base):
     from megatron.core import dist_checkpointing
 
     from megatron_fsdp_v2.megatron import read_optimizer_layout
-    from megatron_fsdp_v2.megatron.distopt_format import REQUESTS
+    from megatron_fsdp_v2.megatron.checkpoint.distopt_format import REQUESTS
 
     wrapper, _, optimizer = _model_and_optimizer("optim")
     model_sd = wrapper.sharded_state_dict()
@@ -434,7 +434,7 @@ def test_launcher_rejects_other_checkpoint_formats(ckpt_format):
 
 def test_flat_ranges_become_box_sharded_tensors_and_back():
     from megatron_fsdp_v2.checkpoint.dcp_format import FlatRangeShard
-    from megatron_fsdp_v2.megatron.dist_checkpoint import from_loaded, to_sharded
+    from megatron_fsdp_v2.megatron.checkpoint.dist_checkpoint import from_loaded, to_sharded
 
     full = torch.arange(15.0).view(3, 5)
     shard = FlatRangeShard((3, 5), full.reshape(-1)[3:12].clone(), 3)
@@ -455,7 +455,7 @@ def test_flat_ranges_become_box_sharded_tensors_and_back():
     assert (replicated.global_shape, replicated.replica_id) == ((4,), (0, 0, 3))
     assert to_sharded("b", torch.ones(4), dp_rank=0, tp_rank=1).replica_id == (0, 1, 0)
     # a tensor-parallel slice (rows 4..7 of 8) at its offset; the boxes of its flat range too
-    from megatron_fsdp_v2.megatron.dist_checkpoint import Placement
+    from megatron_fsdp_v2.megatron.checkpoint.dist_checkpoint import Placement
 
     half = Placement("w", tensor_offsets=(4, 0), tensor_shape=(8, 5), replica_id=(0, 0, 2))
     whole = to_sharded("w", torch.ones(4, 5), dp_rank=1, placement=half)
@@ -484,7 +484,7 @@ def test_checkpoints_interchange_with_megatron_ddp(tmp_path, bf16):
 
 
 def test_layout_falls_back_to_parameter_names(caplog):
-    from megatron_fsdp_v2.megatron.dist_checkpoint import megatron_layout, model_sharded_state_dict
+    from megatron_fsdp_v2.megatron.checkpoint.dist_checkpoint import megatron_layout, model_sharded_state_dict
 
     class Broken(torch.nn.Linear):
         def sharded_state_dict(self, *args, **kwargs):

@@ -150,7 +150,7 @@ def test_save_and_load_in_fsdp_dtensor_continue_the_run(trained, tmp_path, strat
     first = run_distributed(launcher_worker, 2, command_line(strategy, *save), timeout=600)
     assert sorted(first[1]["losses"]) == [1, 2] and first[1]["exit"] == 0
     assert (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "2"
-    from megatron_fsdp_v2.megatron.checkpoint_format import FSDP_DTENSOR, detect_checkpoint_format
+    from megatron_fsdp_v2.megatron.checkpoint.checkpoint_format import FSDP_DTENSOR, detect_checkpoint_format
 
     assert detect_checkpoint_format(str(tmp_path / "iter_0000002")) == FSDP_DTENSOR
     resumed = run_distributed(launcher_worker, 2, command_line(strategy, "--load", str(tmp_path)), timeout=600)

@@ -1,5 +1,5 @@
 """Switching from Megatron-FSDP (``use_megatron_fsdp``) and back: its ``--ckpt-format fsdp_dtensor``
-checkpoints (megatron_fsdp_v2/megatron/fsdp_dtensor_format.py) on a tiny GPT (CPU, gloo; Megatron-FSDP
+checkpoints (megatron_fsdp_v2/megatron/checkpoint/fsdp_dtensor_format.py) on a tiny GPT (CPU, gloo; Megatron-FSDP
 runs there under the test-only patches of testing/megatron_fsdp_cpu.py).
 
 * Megatron-FSDP (ZeRO-3, dp 2) trains 2 iterations, writes the checkpoint exactly as Megatron-LM's
@@ -168,7 +168,7 @@ def our_load_worker(rank, world_size, path, strategies, continue_, bf16=False):
     from megatron.core.distributed import DistributedDataParallelConfig
 
     from megatron_fsdp_v2.megatron import FullyShardedDataParallel, get_optimizer
-    from megatron_fsdp_v2.megatron.fsdp_dtensor_format import load_fsdp_dtensor_checkpoint
+    from megatron_fsdp_v2.megatron.checkpoint.fsdp_dtensor_format import load_fsdp_dtensor_checkpoint
     from tests.megatron_cpu import destroy_megatron_parallel_state, init_megatron_parallel_state, patch_megatron_for_cpu
     from tests.state_gather import full_optimizer_state
 
@@ -251,7 +251,7 @@ def our_save_worker(rank, world_size, path, strategy, bf16=False):
     from megatron.core.distributed import DistributedDataParallelConfig
 
     from megatron_fsdp_v2.megatron import FullyShardedDataParallel, get_optimizer
-    from megatron_fsdp_v2.megatron.fsdp_dtensor_format import save_fsdp_dtensor_checkpoint
+    from megatron_fsdp_v2.megatron.checkpoint.fsdp_dtensor_format import save_fsdp_dtensor_checkpoint
     from tests.megatron_cpu import destroy_megatron_parallel_state, init_megatron_parallel_state, patch_megatron_for_cpu
 
     with patch_megatron_for_cpu():
@@ -350,7 +350,7 @@ def refusal_worker(rank, world_size, path, overrides, tp=1):
     from megatron.core.distributed import DistributedDataParallelConfig
 
     from megatron_fsdp_v2.megatron import FullyShardedDataParallel, get_optimizer
-    from megatron_fsdp_v2.megatron.fsdp_dtensor_format import load_fsdp_dtensor_checkpoint
+    from megatron_fsdp_v2.megatron.checkpoint.fsdp_dtensor_format import load_fsdp_dtensor_checkpoint
     from tests.megatron_cpu import (build_tiny_gpt, destroy_megatron_parallel_state, init_megatron_parallel_state,
                                     patch_megatron_for_cpu)
 

@@ -19,7 +19,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_fsdp_v2 import STRATEGY_NAMES, fully_shard
-from megatron_fsdp_v2.meta_init import _post_order
+from megatron_fsdp_v2.wrap.meta_init import _post_order
 
 from .dist_utils import run_distributed
 

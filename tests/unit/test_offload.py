@@ -1,4 +1,4 @@
-"""CPU offload by fraction (offload.py, [Note: offload by fraction]).
+"""CPU offload by fraction (offload/host_link.py, [Note: offload by fraction]).
 
 On CPU the "device" is the CPU too, so these tests check what does not depend on the hardware:
 which groups go to the host, that their main weights, gradients and optimizer state live in
@@ -18,8 +18,8 @@ from hypothesis import given, settings, strategies as st
 
 from megatron_fsdp_v2 import (STRATEGY_NAMES, MixedPrecisionPolicy, OffloadPolicy, fully_shard, load_checkpoint,
                               save_checkpoint)
-from megatron_fsdp_v2.offload import choose_offloaded
-from megatron_fsdp_v2.param_group import ParamGroup
+from megatron_fsdp_v2.offload.policy import choose_offloaded
+from megatron_fsdp_v2.group.param_group import ParamGroup
 
 from .dist_utils import run_distributed
 from .models import Block, UnevenNet, make_batches

@@ -1,4 +1,4 @@
-"""Offloaded groups stepped during backward (offload_steps.py, [Note: offloaded steps during backward]).
+"""Offloaded groups stepped during backward (offload/backward_steps.py, [Note: offloaded steps during backward]).
 
 Bitwise the same training as without offload (fp32, dp 2, gradient accumulation under no_sync,
 AdamW fused and SGD with momentum on foreach=False), the thread really stepping groups, and every
@@ -196,7 +196,7 @@ def switch_interval_worker(rank, world_size):
     import gc
     import sys
     import time
-    from megatron_fsdp_v2.offload_steps import STEP_SWITCH_INTERVAL_S
+    from megatron_fsdp_v2.offload.backward_steps import STEP_SWITCH_INTERVAL_S
     base = sys.getswitchinterval()
     model = _wrap("optim_grads_params", 1.0, True)
     opt = _optimizer(model, "adamw")
@@ -268,7 +268,7 @@ class _Landing:
     """A handed-over group as BackwardSteps sees it: an offloaded group with a copy in flight."""
 
     def __init__(self, link) -> None:
-        from megatron_fsdp_v2.offload import OffloadedGroup
+        from megatron_fsdp_v2.offload.host_link import OffloadedGroup
         self.offloaded = OffloadedGroup(link, 4, torch.float32, 0, torch.float32)
         self.main_params = []
 
@@ -281,8 +281,8 @@ def test_a_group_whose_copy_landed_attaches_while_another_still_waits():
     # holding the attach lock kept the stepping thread from a group whose copy had landed long
     # before (941M GPT, f = 1: layer 14 "landed" 120 ms late, the rest at once after it).
     import threading
-    from megatron_fsdp_v2.offload import HostLink
-    from megatron_fsdp_v2.offload_steps import BackwardSteps
+    from megatron_fsdp_v2.offload.host_link import HostLink
+    from megatron_fsdp_v2.offload.backward_steps import BackwardSteps
     link = HostLink(torch.device("cpu"), OffloadPolicy(fraction=1.0))
     steps = BackwardSteps(link)
     slow, landed = _Landing(link), _Landing(link)

@@ -1,6 +1,6 @@
 """Which stream's pool a released compute shard is made again in, and what its release tells the
 allocator: the order that keeps the stepping thread's uploads from racing backward ([Note: a
-device buffer made on the stepping thread] in offload.py). CPU has no streams, so a stand-in
+device buffer made on the stepping thread] in offload/host_link.py). CPU has no streams, so a stand-in
 device module logs stream contexts, allocations and ``record_stream`` calls."""
 
 import contextlib
@@ -8,7 +8,8 @@ import contextlib
 import pytest
 import torch
 
-from megatron_fsdp_v2.offload import HostLink, OffloadedGroup, OffloadPolicy
+from megatron_fsdp_v2.offload.host_link import HostLink, OffloadedGroup
+from megatron_fsdp_v2.offload.policy import OffloadPolicy
 
 
 class _Event:

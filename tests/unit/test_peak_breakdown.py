@@ -54,15 +54,15 @@ def block(addr, size, frames, state="active_allocated"):
     return dict(address=addr, size=size + 100, requested_size=size, state=state, frames=frames)
 
 
-HELD_PARAM = block(1, 1000, stack(fr(OURS + "param_group.py", "__init__")))
+HELD_PARAM = block(1, 1000, stack(fr(OURS + "group/param_group.py", "__init__")))
 HELD_ADAM = block(2, 2000, stack(fr(OPTIM + "adamw.py", "_init_group")))
-HELD_FREED_IN_FWD = block(3, 700, stack(fr(OURS + "param_group.py", "grad_shard")))
+HELD_FREED_IN_FWD = block(3, 700, stack(fr(OURS + "group/param_group.py", "grad_shard")))
 
 
 def step_trace():
     """forward: unshard 4000 (ours), activation 3000 (Megatron), reshard, free a held 700;
     backward: autograd 5000 (no frames), unshard 4000 -> peak; optimizer: 500 temp."""
-    unshard = stack(fr(OURS + "param_group.py", "unshard"), fr(MCORE + "transformer_layer.py", "forward"))
+    unshard = stack(fr(OURS + "group/param_group.py", "unshard"), fr(MCORE + "transformer_layer.py", "forward"))
     act = stack(fr("/venv/lib/python3.12/site-packages/torch/nn/functional.py", "gelu"),
                 fr(MCORE + "mlp.py", "forward"))
     ev = []
@@ -148,11 +148,11 @@ def test_trace_without_markers_and_earlier_events():
     ([fr(FSDP + "_fsdp_collectives.py", "foreach_all_gather"), fr(MCORE + "attention.py", "forward")], "step",
      ("fsdp2", "fsdp2 _fsdp_collectives.py:foreach_all_gather")),
     # the innermost owning frame wins: our hook inside Megatron's forward is ours
-    ([fr("/t/torch/_tensor.py", "new_empty"), fr(OURS + "engine.py", "pre_forward"),
+    ([fr("/t/torch/_tensor.py", "new_empty"), fr(OURS + "runtime/engine.py", "pre_forward"),
       fr(MCORE + "transformer_block.py", "forward")], "step", ("ours", "ours engine.py:pre_forward")),
     # ours' buffer allocators name their caller
     ([fr(OURS + "allocators/storage_freeing.py", "_allocate"), fr(OURS + "allocators/base.py", "allocate"),
-      fr(OURS + "param_group.py", "unshard"), fr(MCORE + "mlp.py", "forward")], "step",
+      fr(OURS + "group/param_group.py", "unshard"), fr(MCORE + "mlp.py", "forward")], "step",
      ("ours", "ours param_group.py:unshard")),
     ([fr(OURS + "allocators/base.py", "allocate"), fr(MCORE + "mlp.py", "forward")], "step",
      ("ours", "ours base.py:allocate")),

@@ -16,7 +16,7 @@ import torch.distributed.tensor
 from torch.distributed.device_mesh import DeviceMesh
 
 from megatron_fsdp_v2 import STRATEGY_NAMES, MixedPrecisionPolicy, OffloadPolicy, fully_shard, plan
-from megatron_fsdp_v2.offload import HostLink
+from megatron_fsdp_v2.offload.host_link import HostLink
 from megatron_fsdp_v2.row_sharded import local_piece
 
 from .dist_utils import run_distributed
@@ -238,7 +238,7 @@ def _largest_non_root_main_shard(rank, world_size, out=5, per_child=False) -> tu
 def test_uploads_during_backward_add_one_groups_main_dtype_copy_to_backward():
     """``OffloadPolicy(step_in_backward=True)``: ZeRO-3 uploads each non-root group the host thread
     stepped during backward, one at a time, casting on the device from a main-dtype (fp32) copy of
-    the group's shard: backward holds the largest such copy (offload_steps.py), with
+    the group's shard: backward holds the largest such copy (offload/backward_steps.py), with
     ``release_after_gather`` too (the released shards come back from the thread). Not for ZeRO-1
     (refresh after the step)."""
     with torch.device("meta"):

@@ -1,5 +1,5 @@
 """Ranks whose control flow differs get a clear error on every rank, by default, naming the first
-call where they differ (collective_ledger.py, [Note: ranks that issue different collectives]):
+call where they differ (comm/ledger.py, [Note: ranks that issue different collectives]):
 a unit skipped on one rank, ``save_checkpoint`` or ``export_full_state_dict`` called on rank 0
 only. Without the check gloo aborts the process (SIGABRT). The watchdog's comparison after a
 stall (NCCL's path) is tested on gloo with calls recorded but not issued."""
@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_fsdp_v2 import CollectiveMismatchError, export_full_state_dict, fully_shard, save_checkpoint
-from megatron_fsdp_v2.collective_ledger import CHECK_ENV, CollectiveLedger, LedgerMode, ledger_for
-from megatron_fsdp_v2.ledger_watchdog import KEY_PREFIX, LedgerWatchdog, first_difference
+from megatron_fsdp_v2.comm.ledger import CHECK_ENV, CollectiveLedger, LedgerMode, ledger_for
+from megatron_fsdp_v2.comm.watchdog import KEY_PREFIX, LedgerWatchdog, first_difference
 
 from .dist_utils import run_distributed
 from .models import Block, UnevenNet, make_batches

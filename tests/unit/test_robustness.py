@@ -218,7 +218,7 @@ def test_a_dropped_model_is_freed(strategy, single_rank_group):
 def several_models_worker(rank, world_size):
     """Six ZeRO-1 models over one group, one optimizer: each step issues six async all-gathers
     there, which every rank must issue in the same order."""
-    from megatron_fsdp_v2 import optimizer_hook
+    from megatron_fsdp_v2.runtime import optimizer_hook
 
     torch.manual_seed(0)
     models = [fully_shard(UnevenNet(), sharding_strategy="optim") for _ in range(6)]

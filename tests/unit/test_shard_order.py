@@ -1,11 +1,11 @@
-"""Per-parameter shards (layout.py, [Note: per-parameter shards]) and the copies between their two
-orders (shard_order.py), checked against torch.chunk and a gather written out by hand."""
+"""Per-parameter shards (group/layout.py, [Note: per-parameter shards]) and the copies between their two
+orders (group/shard_order.py), checked against torch.chunk and a gather written out by hand."""
 
 import pytest
 import torch
 
-from megatron_fsdp_v2.layout import build_layout
-from megatron_fsdp_v2.shard_order import natural_from_gathered, own_from_natural, write_rank_major
+from megatron_fsdp_v2.group.layout import build_layout
+from megatron_fsdp_v2.group.shard_order import natural_from_gathered, own_from_natural, write_rank_major
 
 SHAPES = [(7,), (3, 4), (2, 4), (3,), (), (5, 0), (0,), (768, 6)]
 

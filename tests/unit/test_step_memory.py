@@ -21,9 +21,9 @@ Asserted, at dp 1 and 2:
 * when the step begins, the model holds its sharded weights and grads and nothing else;
 * after ``fully_shard`` (upstream's "init" point) it holds the sharded weights only: no gradient
   buffer before the first reduce (main held a zeroed grad shard from the wrap on: 85.28 MB at
-  dp 2 against upstream's 70.97 MB; fixed in param_group.py).
+  dp 2 against upstream's 70.97 MB; fixed in group/param_group.py).
 Measured on CPU at dp 2: both ranks 179.98 MB against upstream's 186.54 MB bound, FSDP2's own step
-179.98 MB. Every rank holds half the rows of every parameter (layout.py, [Note: per-parameter
+179.98 MB. Every rank holds half the rows of every parameter (group/layout.py, [Note: per-parameter
 shards]); with row-snapped shards rank 1 held a whole block's ``w2`` (9.44 MB), so Adam's two
 temporaries were 2 x 9.44 MB there and its step peaked at 189.43 MB, 1.015x the bound.
 """

@@ -5,7 +5,7 @@
   laid out so that some ranks hold no rows (row_sharded.py, [Note: ops on row-snapped shards]).
 * ``torch.save(model.state_dict())`` / ``torch.load`` work; state-dict values alias the parameters.
 * One parameter, one tensor: ``model.head.weight``, ``model.head.parameters()`` and
-  ``model.parameters()`` give the tensor the optimizer steps (param_swap.py).
+  ``model.parameters()`` give the tensor the optimizer steps (runtime/param_swap.py).
 
 The property runs inside the workers with a derandomized hypothesis: every rank draws the same
 examples in the same order (an op on a sharded tensor is a collective), and records each result

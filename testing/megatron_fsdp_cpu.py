@@ -12,11 +12,14 @@
 * ``torch.Tensor.cuda``: the tensor itself (``validate_uneven_dtensor`` moves its boundary flags to
   the GPU). Only Megatron code runs while this is active: build and train Megatron-FSDP inside it,
   our wrapper outside;
-* ``_coalescing_manager`` in ``param_and_grad_buffer``: always synchronous. Megatron-FSDP prefetches
+* ``torch.distributed``'s collectives as those modules call them: each runs synchronously when it is
+  called, whatever ``async_op`` says (an ``async_op=True`` call returns a finished stand-in), and
+  ``_coalescing_manager`` in ``param_and_grad_buffer`` coalesces nothing. Megatron-FSDP prefetches
   parameters with ``async_ops=True`` and orders the rest by CUDA events, which are no-ops here, so on
-  gloo the gathers would run on gloo's threads while this thread goes on (a worker once died of heap
-  corruption, ``malloc(): unaligned tcache chunk detected``, in this emulation); synchronous
-  collectives make program order the only order. Values are the same either way.
+  gloo the collectives would run on gloo's threads while this thread goes on. A worker died of heap
+  corruption (``malloc(): unaligned tcache chunk detected``) when only the coalescing manager was
+  made to wait, and one died of SIGSEGV inside a coalesced all-gather (torch 2.14.1, CI): one
+  synchronous collective at a time makes program order the only order. Values are the same.
 
 Also needed (a config, not a patch): ``DistributedDataParallelConfig(gradient_reduce_div_fusion=False)``
 (gloo has no ``PREMUL_SUM``). ``fill_empty_optimizer_states`` gives torch's Adam state to parameters
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import types
 
 import torch
 
@@ -98,6 +102,7 @@ class _FsdpCpuTorch(_CpuTorchModule):
                 return _Event()
 
         self.cuda = Cuda()
+        self.distributed = _SynchronousDistributed()
 
 
 class _CpuMesh:
@@ -109,13 +114,46 @@ class _CpuMesh:
         return DeviceMesh.from_group(*args, **kwargs)
 
 
-def _synchronous_coalescing(real):
-    @contextlib.contextmanager
-    def coalescing_manager(group=None, device=None, async_ops=False):
-        with real(group, device, async_ops=False) as manager:    # waits on exit; its wait() is then a no-op
-            yield manager
+class _FinishedWork:
+    """What an ``async_op=True`` collective returns here: it finished before it was returned."""
 
-    return coalescing_manager
+    def wait(self, *_a, **_k) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+_SYNCHRONOUS = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "all_gather", "reduce_scatter",
+                "broadcast", "all_to_all_single", "barrier")
+
+
+def _synchronous(collective):
+    def call(*args, **kwargs):
+        wanted_async = kwargs.pop("async_op", False)
+        result = collective(*args, **kwargs)
+        return _FinishedWork() if wanted_async else result
+
+    return call
+
+
+class _SynchronousDistributed(types.ModuleType):
+    """``torch.distributed`` as the patched modules see it: the collectives of ``_SYNCHRONOUS`` run
+    at the call; everything else is the real module."""
+
+    def __init__(self):
+        super().__init__("torch.distributed")
+        for name in _SYNCHRONOUS:
+            setattr(self, name, _synchronous(getattr(torch.distributed, name)))
+
+    def __getattr__(self, name):
+        return getattr(torch.distributed, name)
+
+
+@contextlib.contextmanager
+def _no_coalescing(group=None, device=None, async_ops=False):
+    """``_coalescing_manager`` here: the collectives inside already ran, one by one."""
+    yield _FinishedWork()
 
 
 @contextlib.contextmanager
@@ -127,7 +165,7 @@ def megatron_fsdp_on_cpu():
             p.setattr(importlib.import_module(name), "torch", shim)
         p.setattr(importlib.import_module(_ADAPTER_MODULE), "DeviceMesh", _CpuMesh)
         buffers = importlib.import_module(_BUFFER_MODULE)
-        p.setattr(buffers, "_coalescing_manager", _synchronous_coalescing(buffers._coalescing_manager))
+        p.setattr(buffers, "_coalescing_manager", _no_coalescing)
         p.setattr(torch.Tensor, "cuda", lambda tensor, *_a, **_k: tensor)
         yield
     finally:

@@ -10,6 +10,7 @@ import contextlib
 import gc
 import time
 import weakref
+from typing import Optional
 
 import torch
 
@@ -27,7 +28,7 @@ def _describe(tensor) -> str:
     return f"{type(tensor).__name__}{tuple(tensor.shape)} {tensor.dtype} held by {holders}"
 
 
-def _live_tensors(known: frozenset = frozenset()) -> tuple[int, int, frozenset, list]:
+def _live_tensors(known: Optional[frozenset] = None) -> tuple[int, int, frozenset, list]:
     """(count, storage bytes, ids, the tensors not in ``known`` in words) of the tensors the cycle
     collector can see, once two readings 50+ ms apart agree. Something released a moment late (a
     backend's thread dropping a finished collective's tensors) is not a leak: a loaded full-suite
@@ -47,7 +48,7 @@ def _live_tensors(known: frozenset = frozenset()) -> tuple[int, int, frozenset, 
             break
         last = (count, nbytes)
         time.sleep(0.05 * (1 + attempt))
-    new = [_describe(t) for i, t in alive.items() if known and i not in known]
+    new = [_describe(t) for i, t in alive.items() if known is not None and i not in known]
     return count, nbytes, frozenset(alive), new
 
 
@@ -84,7 +85,7 @@ def _build_train_drop(rank: int, strategy: str) -> dict:
 def lifetime_worker(rank, world_size):
     out = {}
     for strategy in STRATEGY_NAMES:
-        figures, alive = [], frozenset()
+        figures, alive = [], None
         for _ in range(2):
             refs = _build_train_drop(rank, strategy)
             count, nbytes, alive, new = _live_tensors(alive)

@@ -8,7 +8,6 @@ thread (the saved-tensor hooks active while an async collective is issued).
 
 import contextlib
 import gc
-import time
 import weakref
 from typing import Optional
 
@@ -16,6 +15,7 @@ import torch
 
 from megatron_fsdp_v2 import STRATEGY_NAMES, fully_shard
 from megatron_fsdp_v2.runtime.pre_backward import ForwardRecord, SavedWeightHooks
+from testing.settled import settled
 
 from .dist_utils import run_distributed
 from .models import Block, UnevenNet, make_batches
@@ -30,26 +30,22 @@ def _describe(tensor) -> str:
 
 def _live_tensors(known: Optional[frozenset] = None) -> tuple[int, int, frozenset, list]:
     """(count, storage bytes, ids, the tensors not in ``known`` in words) of the tensors the cycle
-    collector can see, once two readings 50+ ms apart agree. Something released a moment late (a
-    backend's thread dropping a finished collective's tensors) is not a leak: a loaded full-suite
-    run once counted one 680-byte tensor more on rank 1 in one of two cycles, never reproduced."""
-    last = None
-    for attempt in range(40):
-        gc.collect()
-        count = nbytes = 0
-        alive = {}
-        for obj in gc.get_objects():
-            if torch.Tensor in type(obj).__mro__:          # (isinstance would run DTensor's instance check)
-                count += 1
-                alive[id(obj)] = obj
-                if type(obj) in (torch.Tensor, torch.nn.Parameter):
-                    nbytes += obj.untyped_storage().nbytes()
-        if last == (count, nbytes):
-            break
-        last = (count, nbytes)
-        time.sleep(0.05 * (1 + attempt))
+    collector can see, once settled (testing/settled.py)."""
+    count, nbytes, alive = settled(_tensors_now, key=lambda reading: reading[:2])
     new = [_describe(t) for i, t in alive.items() if known is not None and i not in known]
     return count, nbytes, frozenset(alive), new
+
+
+def _tensors_now() -> tuple[int, int, dict]:
+    count = nbytes = 0
+    alive = {}
+    for obj in gc.get_objects():
+        if torch.Tensor in type(obj).__mro__:          # (isinstance would run DTensor's instance check)
+            count += 1
+            alive[id(obj)] = obj
+            if type(obj) in (torch.Tensor, torch.nn.Parameter):
+                nbytes += obj.untyped_storage().nbytes()
+    return count, nbytes, alive
 
 
 def _build_train_drop(rank: int, strategy: str) -> dict:

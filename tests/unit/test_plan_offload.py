@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
-import time
 
 import pytest
 import torch
@@ -19,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from megatron_fsdp_v2 import STRATEGY_NAMES, MixedPrecisionPolicy, OffloadPolicy, fully_shard, plan
 from megatron_fsdp_v2.offload.host_link import HostLink
 from megatron_fsdp_v2.row_sharded import local_piece
+from testing.settled import settled
 
 from .dist_utils import run_distributed
 from .models import Block, UnevenNet, make_batches
@@ -29,9 +29,9 @@ POLICY = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
 HOST = ("host_main_weights", "host_grads", "host_grad_staging")
 
 
-def _storages(described: bool = False) -> dict:
-    """data_ptr -> bytes of every tensor storage Python can reach (DTensors: their local piece),
-    but a DeviceMesh's own rank table; ``described``: data_ptr -> (bytes, the tensor in words)."""
+def _storages() -> dict:
+    """data_ptr -> (bytes, the tensor in words) of every tensor storage Python can reach (DTensors:
+    their local piece), but a DeviceMesh's own rank table."""
     out, meshes = {}, []
     for obj in gc.get_objects():
         if isinstance(obj, DeviceMesh):
@@ -40,27 +40,10 @@ def _storages(described: bool = False) -> dict:
             tensor = getattr(obj, "_local_tensor", obj)
             if tensor.device.type != "meta" and tensor.untyped_storage().nbytes():
                 nbytes = tensor.untyped_storage().nbytes()
-                out[tensor.untyped_storage().data_ptr()] = (
-                    (nbytes, f"{type(obj).__name__}{tuple(obj.shape)} {obj.dtype}") if described else nbytes)
+                out[tensor.untyped_storage().data_ptr()] = (nbytes, f"{type(obj).__name__}{tuple(obj.shape)} {obj.dtype}")
     for ptr in meshes:
         out.pop(ptr, None)
     return out
-
-
-def _settled_storages() -> dict:
-    """``_storages(described=True)`` once two readings 50+ ms apart agree: something released a
-    moment late (a backend's thread dropping a finished collective's tensors) is not kept. Loaded
-    full-suite runs counted 32 and 48 bytes more than planned on rank 1 of a dp-2 case, twice in
-    four runs; alone it never did."""
-    last = None
-    for attempt in range(40):
-        gc.collect()
-        now = _storages(described=True)
-        if now == last:
-            break
-        last = now
-        time.sleep(0.05 * (1 + attempt))
-    return now
 
 
 def _count_copies(counts: dict):
@@ -114,7 +97,7 @@ def _measure(rank, strategy, fraction, before):
         patch.setattr(HostLink, "copy", _count_copies(counts))
         _step(model, opt, rank, 1, K)
     steps = sum(s["step"].numel() * s["step"].element_size() for s in opt.state.values())
-    new = [item for ptr, item in _settled_storages().items() if ptr not in before]
+    new = [item for ptr, item in settled(_storages).items() if ptr not in before]
     real = sum(nbytes for nbytes, _ in new) - steps
     device_state, host_state = _state_bytes(model, opt)
     counts.pop("after_step")
@@ -132,7 +115,7 @@ def _worker(rank, world_size):
     for strategy in STRATEGY_NAMES:
         _measure(rank, strategy, 0.0, _storages())
     _measure(rank, "optim_grads_params", 1.0, _storages())
-    before = _settled_storages()
+    before = settled(_storages)
     return {(s, f): _measure(rank, s, f, before) for s in STRATEGY_NAMES for f in FRACTIONS}
 
 

@@ -30,6 +30,8 @@ import torch
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
+from testing.settled import settled
+
 __all__ = ["RegionBytes", "held_bytes", "live_storages", "measure"]
 
 #: Frames that say nothing about who allocated (every call goes through them).
@@ -57,8 +59,9 @@ def live_storages() -> Dict[int, Tuple[int, object]]:
 
 
 def held_bytes(baseline: Dict[int, Tuple[int, object]]) -> int:
-    """Bytes of the CPU storages live now that were not live in ``baseline``."""
-    return sum(nbytes for ptr, (nbytes, _) in live_storages().items() if ptr not in baseline)
+    """Bytes of the CPU storages live now that were not live in ``baseline``, once two readings agree
+    (see testing/settled.py)."""
+    return settled(lambda: sum(nbytes for ptr, (nbytes, _) in live_storages().items() if ptr not in baseline))
 
 
 @dataclass

@@ -31,7 +31,7 @@ class GroupExport:
             return 0 if t is None else t.numel() * t.element_size()
         replicated_apart = not (group.strategy.weights_sharded or group.compute_weights_are_main_weights)
         model = nbytes(group.model_weights) if replicated_apart else 0
-        model += nbytes(group.inner_weights)
+        model += nbytes(group.levels.inner_weights)
         offloaded = group.offloaded is not None            # its main shard is host memory (offload/host_link.py)
         if offloaded:
             model += nbytes(group.offloaded.compute_shard)

@@ -102,7 +102,7 @@ class GroupOffload:
         the root's (released at the start of backward, where the peak is) goes up after the step."""
         group = self.group
         offloaded = group.offloaded
-        return (offloaded is not None and group.strategy.weights_sharded and group.levels is None
+        return (offloaded is not None and not group.keeps_compute_weights
                 and not offloaded.release_after_backward_gather)
 
     def after_backward_gather(self) -> None:

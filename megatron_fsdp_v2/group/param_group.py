@@ -34,11 +34,12 @@ from .reduce import GroupReduce
 from .unreduced_grads import UnreducedGrads
 from ..extensions.weights import ExtensionWeights
 from .layout import FlatLayout, build_layout
+from .levels import OneLevel, group_levels
 from ..offload.host_link import OffloadedGroup
 from ..row_sharded import sharded_rows
 from .shard_order import add_rank_major, natural_from_gathered
 from ..mixed_precision import GroupDtypes
-from ..comm.replicas import HybridLevels, gather_blocks
+from ..comm.replicas import HybridLevels
 from ..strategy import ShardingStrategy
 
 
@@ -105,10 +106,8 @@ class ParamGroup:
     # -- offload (group/offload.py)
     offloaded: Optional[OffloadedGroup]  # the host main shard and gradients (None: on the device)
 
-    # -- hybrid levels (HFSDP, comm/replicas.py)
-    levels: Optional[HybridLevels]       # HFSDP's (inner, outer) groups; comm is then the whole world
-    inner_weights: Optional[torch.Tensor]   # ZeRO-3: this rank's inner shard of the compute weights
-    _inner_grad: Optional[torch.Tensor]     # inner-reduced grads awaiting the outer reduce
+    # -- levels of ranks (levels.py): flat, or HFSDP's inner and outer (its inner shards live there)
+    levels: OneLevel                     # gathers, reduces and averages across replicas, per kind of levels
 
     # -- export (checkpoints, nested wraps)
     all_names: list                      # per parameter: every name it is reached by (tied parameters: several)
@@ -129,7 +128,7 @@ class ParamGroup:
         device: torch.device,
         alignment: int = 1,
         mesh=None,
-        levels=None,
+        levels: Optional[HybridLevels] = None,
         offload=None,
         persistent_grads: bool = True,
         main_segment: bool = False,
@@ -155,14 +154,12 @@ class ParamGroup:
         # parameters whose class gathers them (FSDP2's extension protocol): their compute weights are
         # that class's (e.g. float8), not a flat buffer of ours (extensions/weights.py)
         self.extension = extension
-        # HFSDP (comm/replicas.py, [Note: sharding across replicas (HFSDP)]): (inner, outer) Communicators;
-        # ``comm`` is then the whole data-parallel world the main weights are sharded over.
-        self.levels = levels
-        self.inner_weights = None     # HFSDP ZeRO-3: this rank's inner shard
-        self._inner_grad = None       # HFSDP: inner-reduced grads awaiting the outer reduce
-        # HFSDP gathers and reduces block by block over two levels of row-snapped shards
+        # HFSDP (comm/replicas.py, [Note: sharding across replicas (HFSDP)]): ``levels`` are (inner, outer)
+        # Communicators and ``comm`` is the whole data-parallel world the main weights are sharded over.
+        self.levels = group_levels(self, levels)
         self.layout = build_layout([tuple(p.shape) for p in self.params], comm.size, alignment,
-                                   per_parameter=strategy.shards_each_parameter and levels is None)
+                                   per_parameter=strategy.shards_each_parameter
+                                   and self.levels.allows_per_parameter_shards)
         # Sharded main weights face the optimizer as RowShardedTensors on this mesh (None: as plain
         # tensors holding this rank's rows, what Megatron's optimizer expects).
         self.mesh = mesh if strategy.optim_sharded else None
@@ -230,10 +227,7 @@ class ParamGroup:
             self.model_weights = None
             for param in self.params:
                 param.data = torch.empty(0, dtype=dt.compute, device=self.device)
-            if self.levels is not None:
-                self.inner_weights = torch.empty(self.layout.shard_numel * self.levels.outer.size, dtype=dt.compute,
-                                                 device=self.device)
-                self.rebuild_compute_weights(async_op=False)
+            self.levels.make_inner_shard()
         else:
             if self.compute_weights_are_main_weights:
                 self.model_weights = self.main_shard
@@ -398,9 +392,7 @@ class ParamGroup:
             self._pending_refresh = self.extension.refresh(self, async_op)
             return
         if self.strategy.weights_sharded:
-            if self.levels is not None:          # HFSDP: the inner shard, by one outer all-gather
-                self.wait_refresh()
-                self._pending_refresh = self._gather_across_replicas(self.inner_weights, async_op)
+            self.levels.refresh_inner_shard(async_op)        # HFSDP: by one outer all-gather
             return
         if self.strategy.optim_sharded:
             # A refresh still in flight writes into the same buffer (two optimizers stepping before
@@ -415,7 +407,7 @@ class ParamGroup:
         per-parameter shards the gather lands rank-major; once it has landed the buffer is put in
         natural order through a temporary of the group's size, so only the group being reordered
         holds one, not every group whose refresh is in flight."""
-        pending = self._gather_into(self.model_weights, async_op)
+        pending = self.levels.gather_into(self.model_weights, async_op)
         if not self.layout.per_parameter:
             return pending
         if not async_op:
@@ -429,19 +421,10 @@ class ParamGroup:
             gathered.copy_(self.model_weights)
         natural_from_gathered(gathered, self.layout, self.model_weights)
 
-    def _gather_into(self, full: torch.Tensor, async_op: bool) -> PendingCollective:
-        """All-gather the main-weight shards into ``full`` in place.
-
-        This rank's shard is cast straight into its own slot of the output and gathered from
-        there (the in-place form NCCL and gloo accept), so no separate cast copy of the shard
-        lives while the collective is in flight."""
-        if self.levels is not None:
-            return self._gather_blocks_into(full, async_op)
-        return self._gather_own_slot(self.comm, full, async_op, f"weights of {self.name}")
-
-    def _gather_own_slot(self, comm, output: torch.Tensor, async_op: bool, label: str) -> PendingCollective:
+    def gather_own_slot(self, comm, output: torch.Tensor, async_op: bool, label: str) -> PendingCollective:
         """All-gather equal pieces over ``comm`` into ``output``, this rank's main shard cast straight
-        into its own slot first (slot ``comm.rank`` of ``output``)."""
+        into its own slot first (slot ``comm.rank`` of ``output``): the in-place form NCCL and gloo
+        accept, so no separate cast copy of the shard lives while the collective is in flight."""
         size = self.layout.shard_numel
         slot = output[comm.rank * size:(comm.rank + 1) * size]
         with torch.no_grad():
@@ -449,37 +432,12 @@ class ParamGroup:
         work = comm.all_gather(output, slot, async_op=async_op, label=label)
         return PendingCollective(work if async_op else None, lambda: None)
 
-    def _gather_across_replicas(self, inner_shard: torch.Tensor, async_op: bool) -> PendingCollective:
-        """HFSDP: this rank's inner shard of compute weights from the replicas' world shards (one
-        outer all-gather)."""
-        return self._gather_own_slot(self.levels.outer, inner_shard, async_op,
-                                     f"weights of {self.name} across replicas")
-
-    def _gather_blocks_into(self, full: torch.Tensor, async_op: bool) -> PendingCollective:
-        """HFSDP: ``full`` from the inner shards, block by block over the inner group (ZeRO-3: the
-        persistent inner shard; ZeRO-2: a temporary one gathered across replicas first)."""
-        inner, outer = self.levels
-        source, release = self.inner_weights, (lambda: None)
-        if source is None:
-            key = (self.name, "inner_weights")
-            source = self.allocator.allocate(key, self.layout.shard_numel * outer.size, self.dtypes.compute,
-                                             self.device)
-            _wait(self._gather_across_replicas(source, async_op=False))
-            release = lambda: self.allocator.free(key)          # noqa: E731
-        works = gather_blocks(inner, full, source, self.layout.shard_numel, outer.size, async_op,
-                              f"weights of {self.name}")
-        if not async_op:
-            release()
-            return PendingCollective(None, lambda: None)
-        return PendingCollective(works, release)
-
     def unshard(self, async_op: bool = True) -> None:
         """ZeRO-3: allocate the full compute buffer and all-gather the weights into it (per-parameter
         shards: into a rank-major temporary, copied out when it lands)."""
         if self.is_unsharded:
             return
-        if self.levels is not None:
-            self.wait_refresh()                  # HFSDP: the inner shard must hold the last step's weights
+        self.levels.before_unshard()
         self.is_unsharded = True
         if self.extension is not None:
             self._pending_unshard = self.extension.refresh(self, async_op)
@@ -490,7 +448,7 @@ class ParamGroup:
         full = self.allocator.allocate(self._weights_key, self.layout.total_numel, self.dtypes.compute, self.device)
         self.model_weights = full
         self._point_params_at(full)
-        self._pending_unshard = self._gather_into(full, async_op)
+        self._pending_unshard = self.levels.gather_into(full, async_op)
 
     def _gather_rank_major(self, async_op: bool) -> PendingCollective:
         """Per-parameter shards: all-gather into a rank-major temporary; once it has landed, copy it
@@ -498,7 +456,7 @@ class ParamGroup:
         flight holds one unit-size buffer, as FSDP2's) and free it (shard_order.py)."""
         gathered = self.allocator.allocate(self._gathered_key, self.layout.total_numel, self.dtypes.compute,
                                            self.device)
-        pending = self._gather_own_slot(self.comm, gathered, async_op, f"weights of {self.name}")
+        pending = self.gather_own_slot(self.comm, gathered, async_op, f"weights of {self.name}")
 
         def copy_out():
             natural = self.allocator.allocate(self._weights_key, self.layout.total_numel, self.dtypes.compute,
@@ -541,9 +499,15 @@ class ParamGroup:
 
     # ------------------------------------------------------------------ grads
     @property
+    def keeps_compute_weights(self) -> bool:
+        """Whether compute weights persist between steps and are refreshed from the main weights
+        after one: replicated (DDP, ZeRO-1/2), or HFSDP ZeRO-3's inner shard; flat ZeRO-3 gathers at use."""
+        return not self.strategy.weights_sharded or self.levels.keeps_inner_shard
+
+    @property
     def gather_size(self) -> int:
         """Ranks ZeRO-3's weight gather reads from (HFSDP: the inner group)."""
-        return self.levels.inner.size if self.levels is not None else self.comm.size
+        return self.levels.gather_size
 
     @property
     def reduce_frees_memory(self) -> bool:
@@ -606,7 +570,7 @@ class ParamGroup:
         if self.offloaded is not None:
             self.offloaded.flush()
         with torch.no_grad():
-            for buffer in (self.full_grad, self.grad_shard, self._stash, self._inner_grad,
+            for buffer in (self.full_grad, self.grad_shard, self._stash, self.levels.inner_grad,
                            self.offloaded.grad if self.offloaded is not None else None):
                 if buffer is not None:
                     buffer.mul_(factor)
@@ -621,7 +585,7 @@ class ParamGroup:
         for key in (self._comm_key, self._stash_key):
             if self.allocator.is_live(key):
                 self.allocator.free(key)
-        self._stash = self._inner_grad = None
+        self._stash = self.levels.inner_grad = None
         self._unreduced.clear()
         self.grads_ready = [False] * len(self.params)
         self.has_unreduced_grads = False
@@ -681,7 +645,7 @@ class ParamGroup:
         """Start a fresh accumulation. ``release`` (the optimizer set ``.grad`` to None): without
         ``persistent_grads`` the buffer is let go rather than zeroed, so a ``.grad`` tensor the user
         kept from before keeps its values, as torch's would; the next gradient gets a new buffer."""
-        self._inner_grad = None
+        self.levels.inner_grad = None
         if self._stash is not None:
             self._release_stash()
         if release:

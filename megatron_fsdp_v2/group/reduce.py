@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING, Optional, Sequence
 import torch
 
 from ..comm import PendingCollective, wait_pending
-from ..comm.replicas import reduce_blocks
 from .trainable_pack import TrainablePack, trainable_pack
 
 if TYPE_CHECKING:
@@ -47,12 +46,7 @@ class GroupReduce:
             return None
         pack = self.trainable_pack(self._holding_local_grads)   # some frozen since wrapping: the rest only
         full, release_input = self._grad_comm_input(pack)
-        if group.levels is not None:
-            work, on_complete = self._reduce_blocks(full, release_input, divide_factor)
-        elif group.strategy.grad_reduce_op == "all_reduce":
-            work, on_complete = self._all_reduce_grads(full, release_input, pack, divide_factor)
-        else:
-            work, on_complete = self._reduce_scatter_grads(full, release_input, pack, divide_factor)
+        work, on_complete = group.levels.issue_reduce(full, release_input, pack, divide_factor)
         group.reduced_this_backward = True
         group.has_unreduced_grads = False
         group.awaiting_replica_reduce = True      # hybrid sharding: the outer average is still to come
@@ -74,24 +68,7 @@ class GroupReduce:
         group.has_unreduced_grads = False
         group.grads_ready = [False] * len(group.params)
 
-    def _reduce_blocks(self, full: torch.Tensor, release_input, divide_factor: float):
-        """HFSDP: N_out inner reduce-scatters into the inner gradient shard (comm/replicas.py)."""
-        group = self.group
-        inner, outer = group.levels
-        inner_out = torch.empty(group.layout.shard_numel * outer.size, dtype=full.dtype, device=group.device)
-        works = reduce_blocks(inner, inner_out, full, group.layout.shard_numel, outer.size, f"grads of {group.name}")
-
-        def on_complete():
-            with torch.no_grad():
-                release_input()
-                if not group.strategy.grads_sharded:
-                    group.full_grad.zero_()          # ZeRO-1: its local sums moved into the inner shard
-                if group._inner_grad is None:
-                    group._inner_grad = torch.zeros(inner_out.numel(), dtype=group.dtypes.grad, device=group.device)
-                group._inner_grad.add_(inner_out.to(group._inner_grad.dtype), alpha=1.0 / divide_factor)
-        return works, on_complete
-
-    def _all_reduce_grads(self, full: torch.Tensor, release_input, pack: Optional[TrainablePack],
+    def all_reduce_grads(self, full: torch.Tensor, release_input, pack: Optional[TrainablePack],
                           divide_factor: float):
         """DDP: every rank gets the whole mean in ``full_grad``."""
         group = self.group
@@ -110,7 +87,7 @@ class GroupReduce:
                     group.offloaded.land_grads(group.full_grad, 1.0, overwrite=True)
         return work, on_complete
 
-    def _reduce_scatter_grads(self, full: torch.Tensor, release_input, pack: Optional[TrainablePack],
+    def reduce_scatter_grads(self, full: torch.Tensor, release_input, pack: Optional[TrainablePack],
                               divide_factor: float):
         """ZeRO-1/2/3: this rank's shard of the mean (``pack``: its trainable rows, packed)."""
         group = self.group
@@ -162,43 +139,13 @@ class GroupReduce:
                 group.offloaded.land_grads(own, 1.0, overwrite=True)
 
     def reduce_across_replicas(self, replicas) -> None:
-        """Hybrid sharding: average the reduced gradients this rank holds (its shard; DDP: all;
-        only the trainable part of a partly frozen group) across the replicas of its shard, if a
-        reduce landed since the last average (comm/replicas.py)."""
+        """Hybrid sharding: average the reduced gradients across the replicas of this rank's shard,
+        if a reduce landed since the last average (levels.py, comm/replicas.py)."""
         group = self.group
         if not group.awaiting_replica_reduce:
             return
         group.awaiting_replica_reduce = False
-        if group.levels is not None:
-            self._reduce_world_shard(replicas)
-            return
-        buffer, pack = group.main_grad_buffer(), self.trainable_pack(group.reduced)   # every gradient held
-        if buffer is None or replicas.size == 1:
-            return
-        moved = buffer if pack is None else pack.gather_own(buffer, buffer.new_empty(pack.chunk))
-        replicas.all_reduce(moved, label=f"grads of {group.name} across replicas")
-        with torch.no_grad():
-            moved.div_(replicas.size)
-        if pack is not None:
-            pack.scatter_own(moved, buffer)
-
-    def _reduce_world_shard(self, replicas) -> None:
-        """HFSDP: one outer reduce-scatter to this rank's world shard."""
-        group = self.group
-        inner_grad, group._inner_grad = group._inner_grad, None
-        if inner_grad is None:
-            return
-        out = torch.empty(group.layout.shard_numel, dtype=inner_grad.dtype, device=group.device)
-        replicas.reduce_scatter(out, inner_grad, label=f"grads of {group.name} across replicas")
-        with torch.no_grad():
-            target = group._ensure_grads()
-            if not group.strategy.grads_sharded:      # ZeRO-1: this rank's world shard of full_grad
-                target = target[group.shard_start:group.shard_end]
-            target.add_(out, alpha=1.0 / replicas.size)
-            if group._stash is not None:              # the mean of an earlier backward of this step
-                target.add_(group._stash)
-                group._release_stash()
-            group._own_region_holds_mean = not group.strategy.grads_sharded
+        group.levels.average_across_replicas(replicas)
 
     def finish_grad_reduce(self, pending: PendingCollective) -> None:
         """Wait for a reduce ``reduce_grad`` issued and store its result."""
@@ -217,7 +164,7 @@ class GroupReduce:
         """Where the parameters ``mask`` selects go in a packed reduce, or None: reduce the whole
         buffer (every parameter selected, or HFSDP) ([Note: reducing what requires grad])."""
         group = self.group
-        if group.levels is not None or all(mask):
+        if not group.levels.packs_trainable or all(mask):
             return None
         return trainable_pack(group.layout, tuple(mask), group.strategy.grad_reduce_op == "reduce_scatter",
                               group.comm.rank)

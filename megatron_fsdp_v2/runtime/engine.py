@@ -521,9 +521,9 @@ class Engine:
         the one used.
 
         A group stepped by two optimizers before the next forward is refreshed after each; the
-        second refresh waits for the first (``ParamGroup._gather_into``), so the forward never
+        second refresh waits for the first (``ParamGroup.rebuild_compute_weights``), so the forward never
         sees a stale all-gather land last."""
-        if self.strategy.weights_sharded and all(g.levels is None for g in self.groups):
+        if self.strategy.weights_sharded and not any(g.keeps_compute_weights for g in self.groups):
             self._start_uploads()
             return                               # ZeRO-3 gathers at use (HFSDP: its inner shards refresh here)
         dirty, self._dirty_groups = self._dirty_groups, set()

@@ -194,6 +194,6 @@ def initialize_units_from_meta(module: nn.Module, units: list, pending: dict, de
     initialize_meta_model(module, pending, write, restore, device, init_fn)
     for unit in units:
         for group in unit.groups:
-            if not group.strategy.weights_sharded or group.levels is not None:   # ZeRO-3 gathers at use (HFSDP: from its inner shard)
+            if group.keeps_compute_weights:      # flat ZeRO-3 gathers at use
                 group.rebuild_compute_weights(async_op=False)
                 group.wait_refresh()

@@ -42,7 +42,7 @@ def parity_worker(rank, world, shard_size, use_mesh, twice):
         _train(model, optimizer, rank, twice=twice)
         engine = model._fsdp_engine
         sizes = [(g.layout.total_numel, g.main_shard.numel(), g.requires_grad,
-                  0 if g.inner_weights is None else g.inner_weights.numel()) for g in engine.groups]
+                  0 if g.levels.inner_weights is None else g.levels.inner_weights.numel()) for g in engine.groups]
         out[strategy] = (model.full_state_dict(), model.comm_stats(), sizes, model.persistent_bytes())
     return want, out
 

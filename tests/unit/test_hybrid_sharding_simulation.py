@@ -85,7 +85,7 @@ class TinyGPT(nn.Module):
 
 def _inner_grad_bytes(model) -> int:
     """Bytes of HFSDP's inner grad shards alive now (the per-step temporary)."""
-    return sum(0 if g._inner_grad is None else g._inner_grad.numel() * g._inner_grad.element_size()
+    return sum(0 if g.levels.inner_grad is None else g.levels.inner_grad.numel() * g.levels.inner_grad.element_size()
                for g in model._fsdp_engine.groups)
 
 

@@ -69,7 +69,7 @@ def _to_value(group, index: int, local: torch.Tensor) -> torch.Tensor:
     if math.prod(shape) == 0:
         return local_piece(local).new_zeros(shape)
     if group.mesh is not None and shape:
-        return local if isinstance(local, RowShardedTensor) else group.facing_optimizer(local_piece(local), index)
+        return local if isinstance(local, RowShardedTensor) else group.main.facing_optimizer(local_piece(local), index)
     return FlatRangeShard(shape, local_piece(local).reshape(-1), _owned_range(group, index)[0])
 
 
@@ -355,7 +355,7 @@ def load_optimizer_state_dict(model, optimizer, state_dict: dict) -> None:
             elif _is_per_element(sub, value.shape, group.shapes[index]):
                 local = _to_local(group, index, value, key)
                 in_place = isinstance(value, (FlatRangeShard, RowShardedTensor))    # dcp.load filled it
-                state.setdefault(pos, {})[sub] = group.facing_optimizer(local if in_place else local.clone(), index)
+                state.setdefault(pos, {})[sub] = group.main.facing_optimizer(local if in_place else local.clone(), index)
             elif group.strategy.optim_sharded and value.dim() > 0:
                 misshaped.append(f"{key}: expected {tuple(group.shapes[index])} or a scalar, got {tuple(value.shape)}")
             else:

@@ -67,7 +67,7 @@ def compact(groups: Sequence) -> None:
     members = [g for g in groups if getattr(g, "main_in_segment", False)]
     if not members:
         return
-    views = segment_views([(g.main_numel, g.dtypes.main) for g in members], members[0].device,
+    views = segment_views([(g.main.numel, g.dtypes.main) for g in members], members[0].device,
                           members[0].layout.alignment)
     for group, view in zip(members, views):
-        group.rehome_main(view)
+        group.main.rehome(view)

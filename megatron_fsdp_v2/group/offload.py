@@ -39,7 +39,7 @@ class GroupOffload:
         if group.offloaded is not None:
             return
         device_main = group.main_shard
-        group._point_main_at(link.host_copy(device_main))
+        group.main.point_at(link.host_copy(device_main))
         group.main_in_segment = False
         grad_numel = (group.layout.shard_numel if group.strategy.optim_sharded else group.layout.total_numel)
         group.offloaded = OffloadedGroup(link, grad_numel if group.requires_grad else 0, group.dtypes.grad,
@@ -79,9 +79,9 @@ class GroupOffload:
             offloaded.after_gather()
 
     def _version_now(self) -> Optional[int]:
-        """``main_version()``, or None while the main parameters are being made (construction)."""
+        """``main.version()``, or None while the main parameters are being made (construction)."""
         group = self.group
-        return group.main_version() if group.main_params is not None else None
+        return group.main.version() if group.main_params is not None else None
 
     def start_upload(self, after=None) -> None:
         """ZeRO-3: start the copy of the host main shard to the device compute-weight shard (right

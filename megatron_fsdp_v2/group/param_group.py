@@ -34,9 +34,9 @@ from .reduce import GroupReduce
 from .unreduced_grads import UnreducedGrads
 from ..extensions.weights import ExtensionWeights
 from .layout import FlatLayout, build_layout
+from .main_weights import MainWeights
 from .levels import OneLevel, group_levels
 from ..offload.host_link import OffloadedGroup
-from ..row_sharded import sharded_rows
 from .shard_order import add_rank_major, natural_from_gathered
 from ..mixed_precision import GroupDtypes
 from ..comm.replicas import HybridLevels
@@ -46,11 +46,13 @@ from ..strategy import ShardingStrategy
 class ParamGroup:
     """Flat main-weight, model-weight and grad buffers of a list of parameters.
 
-    Everything a group holds is declared below, by concern, and set in ``__init__``. Three concerns
-    live in parts of their own, each holding this group (``part.group``): reducing gradients
-    (``reducer``, reduce.py), the host side of offload (``offloading``, group/offload.py) and
-    what is reported and exported between steps (``exporter``, export.py). They write some of the
-    attributes below but add none."""
+    Everything a group holds is declared below, by concern, and set in ``__init__``. Five concerns
+    live in parts of their own, each holding this group (``part.group``): the main weights as the
+    optimizer sees them (``main``, main_weights.py), the levels of ranks it gathers and reduces over
+    (``levels``, levels.py: flat or HFSDP's two, the one part that holds tensors of its own),
+    reducing gradients (``reducer``, reduce.py), the host side of offload (``offloading``,
+    group/offload.py) and what is reported and exported between steps (``exporter``, export.py).
+    The others write some of the attributes below but add none."""
 
     # -- layout and strategy: what the group is made of and how it is sharded
     name: str                            # the group's tag (wrap/units.py); the allocator's keys start with it
@@ -93,6 +95,8 @@ class ParamGroup:
     _stash: Optional[torch.Tensor]       # ZeRO-1: that mean, set aside while a further backward accumulates
 
     # -- the group's parts
+    main: MainWeights                    # the main weights' pieces and the optimizer's parameters (main_weights.py)
+    levels: OneLevel                     # flat or HFSDP's (inner, outer): gather, reduce, replica average (levels.py)
     reducer: GroupReduce                 # reduce-scatter / all-reduce of the gradients (reduce.py)
     offloading: GroupOffload             # the main shard on the host, gathers fed from it (group/offload.py)
     exporter: GroupExport                # persistent bytes, whole weights and grads on every rank (export.py)
@@ -106,8 +110,6 @@ class ParamGroup:
     # -- offload (group/offload.py)
     offloaded: Optional[OffloadedGroup]  # the host main shard and gradients (None: on the device)
 
-    # -- levels of ranks (levels.py): flat, or HFSDP's inner and outer (its inner shards live there)
-    levels: OneLevel                     # gathers, reduces and averages across replicas, per kind of levels
 
     # -- export (checkpoints, nested wraps)
     all_names: list                      # per parameter: every name it is reached by (tied parameters: several)
@@ -139,7 +141,8 @@ class ParamGroup:
         param_dtype: torch.dtype,
     ) -> None:
         self.name = name
-        self.reducer, self.offloading, self.exporter = GroupReduce(self), GroupOffload(self), GroupExport(self)
+        self.main, self.reducer = MainWeights(self), GroupReduce(self)
+        self.offloading, self.exporter = GroupOffload(self), GroupExport(self)
         self.params = list(params)
         self.param_names = list(param_names)
         self.all_names = list(all_names)
@@ -212,10 +215,10 @@ class ParamGroup:
     def _init_buffers(self, offload=None, main_segment: bool = False, from_meta: bool = False) -> None:
         dt = self.dtypes
         # main_segment: the main shard moves into the rank's main segment once every group is built
-        # (main_segment.py); the main parameters are made after that move (``make_main_params``).
+        # (main_segment.py); the main parameters are made after that move (``main.make_params``).
         # From meta the values come later (wrap/meta_init.py): no buffer before the segment's.
         self.main_in_segment = main_segment and offload is None
-        self.main_shard = None if self.main_in_segment and from_meta else self._own_main_values()
+        self.main_shard = None if self.main_in_segment and from_meta else self.main.own_values_buffer()
         self.compute_weights_are_main_weights = (not self.strategy.optim_sharded and dt.compute == dt.main
                                                  and self.extension is None)
         if offload is not None:          # main shard to the host (group/offload.py)
@@ -239,7 +242,7 @@ class ParamGroup:
                 self.rebuild_compute_weights(async_op=False)
 
         if not self.main_in_segment:
-            self.make_main_params()
+            self.main.make_params()
         # ZeRO-2/3 without persistent grads: no buffer until the first reduce lands in a new one, as
         # after zero_grad(set_to_none=True) and as FSDP2 (a zeroed shard held from here would sit
         # through the first forward, and the first reduce would need a temporary beside it). An
@@ -248,55 +251,11 @@ class ParamGroup:
                                    or (self.grads.persistent and self.offloaded is None)):
             self._ensure_grads()
 
-    def make_main_params(self) -> None:
-        """main_locals: this rank's pieces as plain tensors (what the engine reads and writes);
-        main_params: the same memory as the optimizer sees it (DTensors can not be re-pointed
-        later, so they are made where the main shard stays)."""
-        self.main_locals = []
-        self.main_params = [self._make_main_param(i) for i in range(len(self.params))]
-
-    def _own_main_values(self) -> torch.Tensor:
-        """This rank's main weights (its shard, or the whole buffer) taken from the parameters in
-        a new buffer; padding is zero. Built piece by piece: no full-size temporary of the group."""
-        main = torch.empty(self.main_numel, dtype=self.dtypes.main, device=self.device)
-        with torch.no_grad():
-            main.zero_()
-            for index, param in enumerate(self.params):
-                piece = self._main_view(main, index)
-                piece.copy_(self._own_values(index, param).view(piece.shape))
-        return main
-
     @property
     def grads_allocated_later(self) -> bool:
         """Whether this group's device gradient buffer is made by a later backward (not yet
         allocated; not on the host)."""
         return self.requires_grad and self.offloaded is None and self.grads.live() is None
-
-    @property
-    def main_numel(self) -> int:
-        """Elements of the main weights: the shard, or (not ``optim_sharded``) the whole buffer."""
-        return self.layout.shard_numel if self.strategy.optim_sharded else self.layout.total_numel
-
-    def rehome_main(self, storage: torch.Tensor) -> None:
-        """Move the main weights into ``storage`` (``main_numel`` elements of the main dtype; zeros
-        if there were none yet) and point the main parameters, if made, there (their ``.data``:
-        plain-tensor main parameters only)."""
-        with torch.no_grad():
-            if self.main_shard is None:
-                storage.zero_()
-            else:
-                storage.copy_(self.main_shard)
-        self._point_main_at(storage)
-
-    def _point_main_at(self, main: torch.Tensor) -> None:
-        """``main`` is the main weights from now on; main parameters already made view it."""
-        self.main_shard = main
-        if self.main_params is None:
-            return
-        self.main_locals = [self._main_view(main, i) for i in range(len(self.params))]
-        with torch.no_grad():
-            for index, param in enumerate(self.main_params):
-                param.data = self._main_facing_optimizer(self.main_locals[index], index)
 
     # ------------------------------------------------------------------ the gradient buffer
     @property
@@ -316,51 +275,6 @@ class ParamGroup:
             self._own_region_holds_mean = False
         return buffer
 
-    def _main_view(self, buffer: torch.Tensor, index: int) -> torch.Tensor:
-        """``index``'s piece of a buffer laid out like ``main_shard``: this rank's rows
-        ``[rows_here, *shape[1:]]`` (a 0-d parameter: ``[1]`` or ``[0]``), or the whole parameter."""
-        if self.strategy.optim_sharded:
-            piece = self.layout.shard_slice(index, self.comm.rank)
-            splits = self.layout.row_splits(index)
-            rows = splits[self.comm.rank + 1] - splits[self.comm.rank]
-            return buffer[piece.shard_start:piece.shard_start + piece.numel].view(rows, *self.shapes[index][1:])
-        start, end = self.layout.param_range(index)
-        return buffer[start:end].view(self.shapes[index])
-
-    def facing_optimizer(self, local: torch.Tensor, index: int, requires_grad: bool = False) -> torch.Tensor:
-        """A piece laid out like ``main_shard`` as the optimizer sees it (see ``mesh``)."""
-        if self.mesh is None:
-            return local
-        shape = tuple(self.shapes[index]) or (1,)
-        return sharded_rows(local, self.mesh, shape, self.layout.row_splits(index), requires_grad)
-
-    def _make_main_param(self, index: int) -> nn.Parameter:
-        local = self._main_view(self.main_shard, index)
-        self.main_locals.append(local)
-        return nn.Parameter(self._main_facing_optimizer(local, index), requires_grad=self.requires_grad)
-
-    def _main_facing_optimizer(self, local: torch.Tensor, index: int) -> torch.Tensor:
-        """A main piece as the optimizer steps it: in the parameter's own class if that class
-        gathers itself (its protocol reads the scale a step stored on it), then as ``facing_optimizer``."""
-        if self.extension is not None:
-            local = self.extension.main_tensor(index, local)
-        return self.facing_optimizer(local, index)
-
-    def write_main_values(self, index: int, full: torch.Tensor) -> None:
-        """Store parameter ``index``'s values (a full tensor) in this rank's main weights (a model
-        initialized from meta: wrap/meta_init.py). The compute weights follow at the next rebuild."""
-        with torch.no_grad():
-            local = self.main_locals[index]
-            local.copy_(self._own_values(index, full).view(local.shape))
-
-    def _own_values(self, index: int, full: torch.Tensor) -> torch.Tensor:
-        """This rank's elements of parameter ``index``'s values ``full``, flat."""
-        values = full.detach().reshape(-1)
-        if not self.strategy.optim_sharded:
-            return values
-        piece = self.layout.shard_slice(index, self.comm.rank)
-        return values[piece.param_start:piece.param_end]
-
     def repoint_param(self, index: int) -> None:
         """Point the module's parameter ``index`` back at what this group holds for it."""
         if self.extension is not None:
@@ -377,12 +291,6 @@ class ParamGroup:
             param.data = full[start:end].view(self.shapes[index])
 
     # ------------------------------------------------------------------ weights
-    def main_version(self) -> int:
-        """Changes whenever the optimizer (or a load) writes the main weights in place."""
-        # In-place ops on a DTensor parameter bump the wrapper's counter, not the local view's
-        # (they run below autograd's in-place tracking); writes to the buffer bump the buffer's.
-        return self.main_shard._version + sum(p._version for p in self.main_params)
-
     def rebuild_compute_weights(self, async_op: bool = True) -> None:
         """Rebuild the persistent replicated compute weights from the main weights."""
         if self.compute_weights_are_main_weights:
@@ -623,7 +531,7 @@ class ParamGroup:
         for index, main in enumerate(self.main_params):
             if not self.reduced[index]:         # frozen since wrapping, all step: no gradient, as torch gives
                 main.grad = None
-            elif none_if_unused and not self.got_grad[index] and not bool(self._main_view(buffer, index).any()):
+            elif none_if_unused and not self.got_grad[index] and not bool(self.main.view(buffer, index).any()):
                 main.grad = None
             else:
                 main.grad = self._grad_facing_optimizer(buffer, index)
@@ -635,10 +543,10 @@ class ParamGroup:
         per parameter, on the critical path of the thread that steps offloaded groups during
         backward (offload/backward_steps.py)."""
         if self.offloaded is None:
-            return self.facing_optimizer(self._main_view(buffer, index), index)
+            return self.main.facing_optimizer(self.main.view(buffer, index), index)
         made = self.offloaded.grads_facing_optimizer
         if index not in made:
-            made[index] = self.facing_optimizer(self._main_view(buffer, index), index)
+            made[index] = self.main.facing_optimizer(self.main.view(buffer, index), index)
         return made[index]
 
     def zero_grads(self, release: bool = False) -> None:

@@ -94,7 +94,7 @@ class Engine:
         self.grad_hooks = GradHooks()            # the user's hooks on main parameters (grad_hooks.py)
         self._backward_count = 0
         self._divide_factor: Optional[float] = None
-        self._synced_main_version = {id(g): g.main_version() for g in self.groups}
+        self._synced_main_version = {id(g): g.main.version() for g in self.groups}
         self._dirty_groups: set = set()          # ids of groups whose main weights an optimizer is stepping
         self._handles: list = []
         # The one owner of every issued gradient reduce not yet waited for (the schedule keeps at
@@ -532,7 +532,7 @@ class Engine:
                 dirty.discard(id(group))
                 self._dirty_groups.add(id(group))
                 continue
-            version = group.main_version()
+            version = group.main.version()
             if id(group) in dirty or version != self._synced_main_version[id(group)]:
                 group.rebuild_compute_weights(async_op=True)
                 self._synced_main_version[id(group)] = version
@@ -546,7 +546,7 @@ class Engine:
         dirty, self._dirty_groups = self._dirty_groups, set()
         for group in self.groups:
             offloaded = group.offloaded
-            if offloaded is not None and (id(group) in dirty or offloaded.uploaded_version != group.main_version()):
+            if offloaded is not None and (id(group) in dirty or offloaded.uploaded_version != group.main.version()):
                 group.offloading.start_upload()
 
     # ------------------------------------------------------------------ explicit gradient sync

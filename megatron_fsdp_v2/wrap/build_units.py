@@ -115,7 +115,7 @@ def build_units(model: PreparedModel, strategy, groups: WrapGroups, world, alloc
     compact(built)                                 # group/main_segment.py: one allocation per main dtype
     for group in built:
         if group.main_params is None:
-            group.make_main_params()
+            group.main.make_params()
     reserve_gradient_segment([g.grads for g in built if g.grads_allocated_later], device)
     return units
 
@@ -185,7 +185,7 @@ def initialize_units_from_meta(module: nn.Module, units: list, pending: dict, de
 
     def write(param, full):
         group, index = where[id(param)]
-        group.write_main_values(index, full)
+        group.main.write_values(index, full)
 
     def restore(param):
         group, index = where[id(param)]

@@ -146,7 +146,7 @@ class FullyShardedModule:
         """Make the replicated compute weights current: ZeRO-1/2 start (or with ``async_op=False``
         finish) the all-gather of main weights that changed; DDP casts them. ZeRO-3 gathers each
         unit when it runs; for whole weights outside forward use ``summon_full_params()``."""
-        self._fsdp_engine.refresh_weights(wait=not async_op)
+        self._fsdp_engine.weights.refresh(wait=not async_op)
 
     def reshard(self) -> None:
         """Free ZeRO-3 weights gathered outside the schedule (a no-op for the other strategies)."""
@@ -164,8 +164,8 @@ class FullyShardedModule:
                     params = [m for g in engine.groups if g.comm is group_comm for m in g.main_params]
                     if params:
                         group_comm.broadcast(params, src_rank, label="parameters (broadcast_parameters)")
-                engine.mark_main_weights_changed()
-                engine.refresh_weights(wait=True)
+                engine.weights.mark_changed()
+                engine.weights.refresh(wait=True)
             buffers = [b for b in self.buffers() if b.numel()]
             if buffers:
                 engine.comm.broadcast(buffers, src_rank, label="buffers (broadcast_parameters)")

@@ -34,7 +34,7 @@ import torch
 import torch.nn as nn
 from torch.autograd import Variable
 
-from .grad_norm import clip_norm_terms
+from .grad_norm import clip_main_grads
 from .grad_hooks import GradHooks, refuse_tensor_hooks
 from .optimizer_hook import watch_optimizer_steps
 from ..comm import PendingCollective
@@ -46,6 +46,7 @@ from ..row_sharded import local_piece
 from .requires_grad_sync import accumulation_ended, sync_requires_grad
 from ..strategy import ShardingStrategy
 from .unit_state import ForwardOrder, Unit  # noqa: F401  (Unit: also engine.Unit)
+from .weight_refresh import WeightRefresh
 
 
 class MainRows(NamedTuple):
@@ -67,43 +68,61 @@ class BackwardPass(NamedTuple):
 class Engine:
     """Holds the units and runs the schedule above through hooks."""
 
+    # -- what was wrapped
+    root: nn.Module
+    units: list[Unit]
+    groups: list[ParamGroup]                 # every unit's groups, in unit order
+    strategy: ShardingStrategy
+    allocator: object                        # temporaries (allocators/)
+    comm: object                             # the data-parallel Communicator (HFSDP: the inner group)
+    replicas: Optional[object]               # hybrid sharding: the outer group (comm/replicas.py)
+    experts: Optional[object]                # expert parameters' group (wrap/experts.py)
+    world: Optional[object]                  # HFSDP: the whole world the main weights are sharded over
+    _main_param_ids: set                     # ids of every group's optimizer-facing parameters
+
+    # -- settings (fully_shard and the model's methods set them)
+    requires_gradient_sync: bool             # False inside no_sync(): DDP / ZeRO-1 accumulate locally
+    check_for_nan_in_grad: bool
+    broadcast_buffers: bool                  # DDP's default True: rank 0's buffers before forwards
+    unused_grads_are_none: bool              # torch DDP / FSDP2: a parameter no rank used keeps .grad None
+    _divide_factor: Optional[float]          # set_gradient_divide_factor (None: the data-parallel size)
+
+    # -- where the step is
+    phase: PhaseMachine
+    forward_order: ForwardOrder
+    backward_pass: Optional[BackwardPass]    # the backward now running
+    _backward_count: int
+    main_grads_attached: bool                # optimizer-facing .grad point at reduced gradients
+    grads_since_zero: bool                   # a backward ran since the gradients were last zeroed
+    _buffers_due: bool                       # torch DDP's require_forward_param_sync ([Note: buffers as DDP])
+    # the one owner of every issued gradient reduce not yet waited for (the schedule keeps at most
+    # one in flight; start_gradient_reduction may issue several)
+    _reduces_in_flight: list[tuple[ParamGroup, PendingCollective]]
+
+    # -- parts
+    weights: WeightRefresh                   # compute weights after main weights change (weight_refresh.py)
+    grad_hooks: GradHooks                    # the user's hooks on main parameters (grad_hooks.py)
+    backward_steps: Optional[object]         # offloaded groups stepped during backward (offload/backward_steps.py)
+    param_slots: ParamSlots                  # what the module's parameter attributes hold (param_swap.py)
+    _handles: list                           # the module and autograd hooks this engine registered
+
     def __init__(self, root: nn.Module, units: list[Unit], strategy: ShardingStrategy, allocator, comm,
                  replicas=None, experts=None, world=None) -> None:
-        self.root = root
-        self.units = units
-        self.strategy = strategy
-        self.allocator = allocator
-        self.comm = comm
-        self.replicas = replicas                 # hybrid sharding: the outer group (comm/replicas.py)
-        self.experts = experts                   # expert parameters' group, or None (wrap/experts.py)
-        self.world = world                       # HFSDP: the whole world the main weights are sharded over
+        self.root, self.units, self.strategy, self.allocator, self.comm = root, units, strategy, allocator, comm
+        self.replicas, self.experts, self.world = replicas, experts, world
         self.groups = [g for u in units for g in u.groups]
-        self.phase = PhaseMachine()
-        self.requires_gradient_sync = True       # False inside no_sync(): DDP / ZeRO-1 accumulate locally
-        self.forward_order = ForwardOrder()
-        self.main_grads_attached = False         # optimizer-facing .grad point at reduced gradients
-        self.grads_since_zero = False            # a backward ran since the gradients were last zeroed
-        self.check_for_nan_in_grad = False
-        self.broadcast_buffers = True            # DDP's default: rank 0's buffers before forwards (see below)
-        # torch DDP's require_forward_param_sync: the next forward broadcasts the buffers (the first
-        # one, and any after a grad-enabled forward outside no_sync(); [Note: buffers as DDP])
-        self._buffers_due = True
-        self.unused_grads_are_none = True        # torch DDP / FSDP2: a parameter no rank used keeps .grad None
-        self.backward_steps = None               # offloaded groups stepped during backward (offload/backward_steps.py)
-        self.backward_pass: Optional[BackwardPass] = None   # the backward now running
-        self.grad_hooks = GradHooks()            # the user's hooks on main parameters (grad_hooks.py)
-        self._backward_count = 0
-        self._divide_factor: Optional[float] = None
-        self._synced_main_version = {id(g): g.main.version() for g in self.groups}
-        self._dirty_groups: set = set()          # ids of groups whose main weights an optimizer is stepping
-        self._handles: list = []
-        # The one owner of every issued gradient reduce not yet waited for (the schedule keeps at
-        # most one in flight; start_gradient_reduction may issue several).
-        self._reduces_in_flight: list[tuple[ParamGroup, PendingCollective]] = []
         self._main_param_ids = {id(m) for g in self.groups for m in g.main_params}
-        # what the module's parameter attributes hold (param_swap.py, [Note: one parameter, one
-        # tensor]); fully_shard installs the swapping one for DTensor parameters
+        self.requires_gradient_sync, self.check_for_nan_in_grad = True, False
+        self.broadcast_buffers, self.unused_grads_are_none, self._divide_factor = True, True, None
+        self.phase, self.forward_order = PhaseMachine(), ForwardOrder()
+        self.backward_pass, self._backward_count = None, 0
+        self.main_grads_attached = self.grads_since_zero = False
+        self._buffers_due = True                 # the first forward broadcasts the buffers
+        self._reduces_in_flight = []
+        self.weights, self.grad_hooks, self.backward_steps = WeightRefresh(self.groups, strategy), GradHooks(), None
+        # fully_shard installs the swapping one for DTensor parameters ([Note: one parameter, one tensor])
         self.param_slots = ParamSlots(root, {}, swaps=False)
+        self._handles = []
         self._register_hooks()
         watch_optimizer_steps(self)
 
@@ -178,7 +197,7 @@ class Engine:
             self.sync_requires_grad()
         if self.broadcast_buffers and self._buffers_due:
             self._broadcast_buffers()
-        self.refresh_weights(before_forward=True)
+        self.weights.refresh(before_forward=True)
         root = self.units[0]
         self.forward_order.record(root)
         if self.strategy.weights_sharded:
@@ -408,7 +427,7 @@ class Engine:
         (grad_hooks.py, [Note: hooks on sharded parameters]); one weight refresh after them if an
         optimizer stepped inside them."""
         if self.grad_hooks.run(self.groups):
-            self.refresh_weights()
+            self.weights.refresh()
 
     def _attach_main_grads(self) -> None:
         for group in self.groups:
@@ -439,7 +458,7 @@ class Engine:
             # (groups the thread stepped and uploaded already: this step leaves them as they are)
             uploaded = self.backward_steps.before_step(optimizer, stepped, args, kwargs)
         self.check_ready_for_optimizer_step()
-        self.mark_main_weights_changed(stepped - uploaded)
+        self.weights.mark_changed(stepped - uploaded)
 
     def after_optimizer_step(self) -> None:
         self.grads_since_zero = False              # the step consumed the accumulation
@@ -447,7 +466,7 @@ class Engine:
         if self.grad_hooks.running:                # stepped inside a user's grad hook: refresh once after them
             self.grad_hooks.refresh_due = True
         else:
-            self.refresh_weights()
+            self.weights.refresh()
         if self.backward_steps is not None:
             self.backward_steps.after_step()
 
@@ -470,30 +489,9 @@ class Engine:
                 "model.reduce_gradients() first.")
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip main grads by the global norm over all ranks' shards (fp32, one scalar all-reduce;
-        with expert groups one more: wrap/experts.py, [Note: expert parameters])."""
+        """Clip main grads by the global norm over all ranks' shards (grad_norm.py)."""
         self._check_steps_idle("clip_grad_norm_")
-        norm_type = float(norm_type)
-        inf = norm_type == float("inf")
-        total = None
-        for comm in {id(g.comm): g.comm for g in self.groups if g.comm is not self.experts}.values():
-            # the data-parallel group; with HFSDP the whole world the main weights are sharded over
-            terms = clip_norm_terms(self, [g for g in self.groups if g.comm is comm], comm, norm_type)
-            total = terms if total is None else (torch.maximum(total, terms) if inf else total + terms)
-        if self.experts is not None:
-            experts = clip_norm_terms(self, [g for g in self.groups if g.comm is self.experts], self.experts, norm_type)
-            self.comm.all_reduce(experts, op=torch.distributed.ReduceOp.MAX if inf else torch.distributed.ReduceOp.SUM,
-                                 label="grad norm (experts across expert-parallel peers)")
-            total = torch.maximum(total, experts) if inf else total + experts / self.experts.size
-        if not inf:
-            total = total ** (1.0 / norm_type)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for group in self.groups:
-            for main in group.main_params:
-                grad = local_piece(main.grad)
-                if grad is not None and grad.numel():
-                    grad.detach().mul_(coef.to(grad.device, grad.dtype))   # (offload: host grads)
-        return total
+        return clip_main_grads(self.groups, self.strategy, self.comm, self.experts, max_norm, norm_type)
 
     def scale_gradients(self, factor: float) -> None:
         """Multiply every gradient this rank holds (reduced and accumulating) by ``factor``."""
@@ -501,53 +499,6 @@ class Engine:
         self.wait_gradient_reduces()
         for group in self.groups:
             group.scale_grads(factor)
-
-    # ------------------------------------------------------------------ weights after a step
-    def mark_main_weights_changed(self, param_ids: Optional[set] = None) -> None:
-        """The main weights (those in ``param_ids``, default all) are about to change (optimizer
-        step, load): refresh their groups at the next ``refresh_weights``.
-
-        Version counters alone are not enough: fused optimizer kernels (``AdamW(fused=True)``)
-        update parameters in place without bumping them."""
-        for group in self.groups:
-            if param_ids is None or any(id(m) in param_ids for m in group.main_params):
-                self._dirty_groups.add(id(group))
-
-    def refresh_weights(self, wait: bool = False, before_forward: bool = False) -> None:
-        """Rebuild replicated compute weights from main weights that changed (ZeRO-1/2: one async
-        all-gather per group; DDP with mixed precision: a local cast). ZeRO-3 gathers at use.
-        Groups whose parameters gather themselves refresh only ``before_forward`` (or when told to
-        ``wait``), as FSDP2 gathers them: a scale stored on them after ``optimizer.step()`` is then
-        the one used.
-
-        A group stepped by two optimizers before the next forward is refreshed after each; the
-        second refresh waits for the first (``ParamGroup.rebuild_compute_weights``), so the forward never
-        sees a stale all-gather land last."""
-        if self.strategy.weights_sharded and not any(g.keeps_compute_weights for g in self.groups):
-            self._start_uploads()
-            return                               # ZeRO-3 gathers at use (HFSDP: its inner shards refresh here)
-        dirty, self._dirty_groups = self._dirty_groups, set()
-        for group in self.groups:
-            if group.extension is not None and not (before_forward or wait):
-                dirty.discard(id(group))
-                self._dirty_groups.add(id(group))
-                continue
-            version = group.main.version()
-            if id(group) in dirty or version != self._synced_main_version[id(group)]:
-                group.rebuild_compute_weights(async_op=True)
-                self._synced_main_version[id(group)] = version
-        if wait:
-            for group in self.groups:
-                group.wait_refresh()
-
-    def _start_uploads(self) -> None:
-        """ZeRO-3 with offload: start copying the stepped host main shards to the device now, so the
-        next forward's gathers find them there (offload/host_link.py, [Note: offload by fraction])."""
-        dirty, self._dirty_groups = self._dirty_groups, set()
-        for group in self.groups:
-            offloaded = group.offloaded
-            if offloaded is not None and (id(group) in dirty or offloaded.uploaded_version != group.main.version()):
-                group.offloading.start_upload()
 
     # ------------------------------------------------------------------ explicit gradient sync
     def start_gradient_reduction(self) -> None:

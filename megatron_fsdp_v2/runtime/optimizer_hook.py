@@ -84,7 +84,7 @@ def engine_holding(param):
 
 
 def watch_optimizer_steps(engine) -> None:
-    """Issue ``engine.refresh_weights()`` after every optimizer step touching its main weights."""
+    """Issue ``engine.weights.refresh()`` after every optimizer step touching its main weights."""
     global _HANDLE
     if _HANDLE is None:
         _HANDLE = (register_optimizer_step_pre_hook(_before_optimizer_step),

@@ -6,6 +6,7 @@ issue 47, item 6. Every system runs in ONE process, one after the other (build, 
     python benchmarks/bench_llama.py                        # issue 47's shapes, N = 1 (GPU: NCCL)
     python benchmarks/bench_llama.py --fake-world-size 8    # each system as rank 0 of a fake 8-way group
     python benchmarks/bench_llama.py --strategies all       # ours also as ZeRO-1/2 and no_shard
+    python benchmarks/bench_llama.py --reshard-after-forward none   # ours' root kept gathered, as FSDP2's
     python benchmarks/bench_llama.py --layers 2 --hidden 64 --intermediate 128 --heads 4 --kv-heads 2 \\
         --vocab 128 --seq 32 --micro-batch 2 --steps 3 --warmup 1 --no-compile   # CPU smoke (gloo, 1 rank)
 
@@ -362,7 +363,8 @@ def build_system(ctx: Ctx, system: System, notes: List[str]):
         from megatron_fsdp_v2 import fully_shard
 
         model = fully_shard(model, sharding_strategy=system.strategy, unit_modules=[LlamaDecoderLayer],
-                            **ours_mixed_precision_kwargs())
+                            reshard_after_forward=a.reshard_after_forward, **ours_mixed_precision_kwargs())
+        notes.append(f"reshard_after_forward={a.reshard_after_forward}")
     fused = a.adam == "fused" or (a.adam == "auto" and ctx.is_cuda)
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, fused=fused or None)
     notes.append(f"AdamW(lr={a.lr:g}{', fused=True' if fused else ''})")
@@ -654,6 +656,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="ours' sharding strategies, comma list or 'all' (default optim_grads_params = ZeRO-3, "
                    "named ours-bf16/ours-fp8; the others are named ours-<strategy>-bf16/-fp8): "
                    + ", ".join(STRATEGIES))
+    g.add_argument("--reshard-after-forward", choices=("true", "none", "false"), default="true",
+                   help="ours' fully_shard(reshard_after_forward=...) (default true, ours' default: every unit "
+                   "gathered twice per step; none: FSDP2's default, the root kept from forward to backward)")
     g.add_argument("--list-systems", action="store_true", help="print the system names and exit")
     g.add_argument("--steps", type=int, default=DEFAULTS["steps"],
                    help=f"optimizer steps in all, warm-up included (default {DEFAULTS['steps']}); the loss is the last's")
@@ -687,6 +692,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         a.device = "cuda" if torch.cuda.is_available() else "cpu"
     if a.emulate is None:
         a.emulate = a.device != "cuda"
+    a.reshard_after_forward = {"true": True, "none": None, "false": False}[a.reshard_after_forward]
     if a.strategies.strip() == "all":
         a.strategies = STRATEGIES
     else:

@@ -335,6 +335,7 @@ def fully_shard(
     reduce_root_per_child: bool = False,
     auto_strategy: Optional[AutoStrategy] = None,
     offload: Optional[OffloadPolicy] = None,
+    reshard_after_forward: Optional[bool] = True,
 ) -> nn.Module:
     """Shard ``module`` over ``process_group`` with a Megatron sharding strategy; returns it.
 
@@ -401,6 +402,15 @@ def fully_shard(
             runs the fused kernel per device); updated weights return on a side stream, waited
             for by the next forward's gathers (offload/host_link.py, [Note: offload by fraction]).
 
+        reshard_after_forward: ZeRO-3 only (FSDP2's argument of the same name, bool or None):
+            ``True`` (default): every unit gives its gathered weights back after its forward and
+            gathers them again for its backward, the strategy table's two all-gathers per unit;
+            ``None`` (FSDP2's default): every unit but the root, whose weights stay gathered from
+            its forward to the end of its backward (one gather of the root per micro-batch, its
+            weights held through the forward); ``False``: no unit (one gather per unit and
+            micro-batch, ZeRO-2's weight memory during the step). Other strategies hold whole
+            weights anyway.
+
     A module built on the meta device (``with torch.device("meta"):``) is materialized on the
     process group's device one initializer at a time, each rank keeping only its shards: see
     README "Models that do not fit on one GPU".
@@ -416,7 +426,8 @@ def fully_shard(
     """
     options = WrapOptions(sharding_strategy, unit_modules, mixed_precision, allocator, check_for_nan_in_grad,
                           broadcast_buffers, unused_param_grads, dtensor_params, init_fn, expert_params,
-                          persistent_grads, outer_sharding_strategy, reduce_root_per_child, auto_strategy, offload)
+                          persistent_grads, outer_sharding_strategy, reduce_root_per_child, auto_strategy, offload,
+                          reshard_after_forward)
     strategy = options.check(module, FullyShardedModule, process_group)
     alloc = make_allocator(allocator)
     groups = wrap_communicators(process_group, expert_process_group, expert_params)

@@ -76,3 +76,11 @@ def get_strategy(name: "str | ShardingStrategy", argument: str = "sharding_strat
     if not isinstance(name, str) or name not in STRATEGIES:
         raise ValueError(f"{argument} must be one of {list(STRATEGY_NAMES)}, got {name!r}.")
     return STRATEGIES[name]
+
+
+def reshards_after_forward(rule: "bool | None", is_root: bool) -> bool:
+    """Whether a ZeRO-3 unit gives its gathered weights back after its forward, by ``fully_shard``'s
+    ``reshard_after_forward`` (FSDP2's): ``True`` every unit (two gathers per unit and micro-batch,
+    the table's); ``False`` none (one gather, the weights held until the unit's backward ends);
+    ``None`` (FSDP2's default) every unit but the root, which backward would gather again at once."""
+    return rule is True or (rule is None and not is_root)

@@ -14,6 +14,7 @@ import torch.nn as nn
 
 from ..group.layout import FlatLayout, build_layout
 from ..mixed_precision import GroupDtypes, MixedPrecisionPolicy, full_precision_param_ids, resolve_dtypes
+from ..strategy import reshards_after_forward
 from ..wrap.units import assign_units, group_specs
 
 __all__ = ["PlannedGroup", "PlannedUnit", "planned_units"]
@@ -48,15 +49,21 @@ class PlannedGroup:
 class PlannedUnit:
     fqn: str
     groups: tuple
+    reshard_after_forward: Optional[bool] = True     # fully_shard's rule (strategy.reshards_after_forward)
 
     @property
     def is_root(self) -> bool:
         return self.fqn == ""
 
+    @property
+    def reshards_after_forward(self) -> bool:
+        return reshards_after_forward(self.reshard_after_forward, self.is_root)
+
 
 def planned_units(module: nn.Module, unit_modules: Optional[Sequence[type]],
                   mixed_precision: Optional[MixedPrecisionPolicy], shard_size: int, alignment: int,
-                  reduce_root_per_child: bool = False, per_parameter: bool = False) -> list[PlannedUnit]:
+                  reduce_root_per_child: bool = False, per_parameter: bool = False,
+                  reshard_after_forward: Optional[bool] = True) -> list[PlannedUnit]:
     """The units and groups ``fully_shard`` builds for ``module`` over ``shard_size`` ranks (root
     first, then module order: the order a forward that runs the units in module order takes);
     ``per_parameter``: the strategy's ``shards_each_parameter`` (group/layout.py)."""
@@ -70,5 +77,5 @@ def planned_units(module: nn.Module, unit_modules: Optional[Sequence[type]],
                 gspec.tag, build_layout(shapes, shard_size, alignment, per_parameter),
                 resolve_dtypes(gspec.dtype, mixed_precision, gspec.requires_grad, gspec.full_precision),
                 gspec.requires_grad))
-        out.append(PlannedUnit(spec.fqn, tuple(groups)))
+        out.append(PlannedUnit(spec.fqn, tuple(groups), reshard_after_forward))
     return out

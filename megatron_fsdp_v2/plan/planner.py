@@ -132,7 +132,8 @@ def plan_candidates(module: nn.Module, strategies, world_size: int, hybrid_shape
                              f"got hybrid_shape {shape} with offload fraction(s) {[f for f in fractions if f]}.")
         inner = shape[1] if shape is not None else world_size
         units = {each: planned_units(module, options.unit_modules, options.mixed_precision, inner, alignment,
-                                     options.reduce_root_per_child, per_parameter=each)
+                                     options.reduce_root_per_child, per_parameter=each,
+                                     reshard_after_forward=options.reshard_after_forward)
                  for each in {s.shards_each_parameter for s in strategies}}
         for strategy in strategies:
             out += [_candidate(units[strategy.shards_each_parameter], strategy, shape, world_size, f, job)
@@ -146,7 +147,7 @@ def plan(module: nn.Module, strategies: Union[str, Sequence] = STRATEGY_NAMES, *
          reduce_root_per_child: bool = False, broadcast_buffers: bool = True,
          budget_bytes: Optional[int] = None, offload: Optional[OffloadPolicy] = None,
          offload_fractions: Optional[Sequence[float]] = None, activation_bytes: Optional[int] = None,
-         persistent_grads: bool = False) -> Plan:
+         persistent_grads: bool = False, reshard_after_forward: Optional[bool] = True) -> Plan:
     """Per-rank memory and communication of one training step under each strategy, before launch.
 
     Args:
@@ -173,6 +174,8 @@ def plan(module: nn.Module, strategies: Union[str, Sequence] = STRATEGY_NAMES, *
             wrapper; adds ``peak_with_activations`` (the peak of the step, [Note: the peak with
             activations]), which the budget is then compared to (pass the device's memory).
         persistent_grads: as ``fully_shard``: gradients kept through ``zero_grad``.
+        reshard_after_forward: as ``fully_shard`` (ZeRO-3: which units stay gathered from their
+            forward to their backward).
 
     Not covered: expert parameters, ``outer_sharding_strategy="optim"`` (HFSDP), nested
     ``fully_shard`` calls, offload with hybrid sharding; without ``activation_bytes``, activations
@@ -180,7 +183,8 @@ def plan(module: nn.Module, strategies: Union[str, Sequence] = STRATEGY_NAMES, *
     """
     options = WrapOptions("auto", unit_modules=unit_modules, mixed_precision=mixed_precision,
                           broadcast_buffers=broadcast_buffers, persistent_grads=persistent_grads,
-                          reduce_root_per_child=reduce_root_per_child, offload=offload)
+                          reduce_root_per_child=reduce_root_per_child, offload=offload,
+                          reshard_after_forward=reshard_after_forward)
     candidates = plan_candidates(module, strategies, world_size, hybrid_shape, options, optimizer=optimizer,
                                  micro_batches=micro_batches, device=device, offload_fractions=offload_fractions,
                                  activation_bytes=activation_bytes)

@@ -100,7 +100,8 @@ def _landed(trace: _Trace, unit: PlannedUnit) -> None:
 
 def _forward(trace: _Trace, units: list, prefetch: bool) -> None:
     """ZeRO-3: the root stays gathered through forward; each unit gathers (waited for before the
-    next is prefetched), prefetches the next."""
+    next is prefetched), prefetches the next; a unit that does not reshard after forward stays
+    gathered into backward."""
     root, rest = units[0], units[1:]
     _weights(trace, root, True)
     _landed(trace, root)
@@ -109,8 +110,10 @@ def _forward(trace: _Trace, units: list, prefetch: bool) -> None:
         _landed(trace, unit)
         if prefetch and i + 1 < len(rest):
             _weights(trace, rest[i + 1], True)
-        _weights(trace, unit, False)
-    _weights(trace, root, False)
+        if unit.reshards_after_forward:
+            _weights(trace, unit, False)
+    if root.reshards_after_forward:
+        _weights(trace, root, False)
 
 
 class _Reducer:
@@ -247,8 +250,8 @@ def step_comm(units: list, strategy: ShardingStrategy, micro_batches: int, shard
     for unit in units:
         for group in unit.groups:
             layout, dt = group.layout, group.dtypes
-            if strategy.weights_sharded:
-                _add(shard, "all_gather", 2 * k, group.compute_bytes)      # before forward and backward
+            if strategy.weights_sharded:              # before forward and (if resharded) backward
+                _add(shard, "all_gather", (2 if unit.reshards_after_forward else 1) * k, group.compute_bytes)
             elif strategy.optim_sharded:
                 _add(shard, "all_gather", 1, group.compute_bytes)          # the refresh after the step
             if not group.requires_grad:

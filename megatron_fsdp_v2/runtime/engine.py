@@ -212,9 +212,9 @@ class Engine:
         self._buffers_due = torch.is_grad_enabled() and self.requires_gradient_sync
         self.forward_order.freeze()
         in_backward = self.phase.is_(Phase.BACKWARD)
-        if self.strategy.weights_sharded and not in_backward:
-            root.reshard()
         awaits_backward = self._register_pre_backward(root, output, record)
+        if self.strategy.weights_sharded and not in_backward and root.reshards_after_forward:
+            root.reshard()                        # (else FSDP2's root: gathered until its backward ends)
         for unit in self.units:       # a unit the forward skipped must not keep a refresh pending
             unit.wait_unshard()
         if self.phase.is_(Phase.FORWARD):
@@ -224,6 +224,9 @@ class Engine:
             else:
                 self.phase.enter(Phase.IDLE)
                 self.param_slots.hold_main()       # no backward follows (evaluation)
+                if self.strategy.weights_sharded:  # units kept gathered for a backward give their weights back
+                    for unit in self.units:
+                        unit.reshard()
         return output
 
     @torch.compiler.disable
@@ -246,7 +249,8 @@ class Engine:
         if not self.strategy.weights_sharded:
             return output
         if not self.phase.is_(Phase.BACKWARD):   # recomputation inside backward keeps weights
-            unit.reshard()
+            if unit.reshards_after_forward or not torch.is_grad_enabled():
+                unit.reshard()
             if torch.is_grad_enabled() and self.forward_order.is_last(unit):
                 unit.prefetch_uploads()           # (offload) the first unit of backward, its shard again
         self._register_pre_backward(unit, output, record)

@@ -4,9 +4,13 @@ instances are units is decided at wrap time (wrap/units.py); when each verb runs
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch.nn as nn
 
 from ..group.param_group import ParamGroup
+from ..mixed_precision import MixedPrecisionPolicy
+from ..strategy import reshards_after_forward
 
 __all__ = ["ForwardOrder", "Unit"]
 
@@ -41,17 +45,29 @@ class ForwardOrder:
 class Unit:
     """The groups of one unit module, acted on together."""
 
-    def __init__(self, index: int, module: nn.Module, fqn: str, groups: list[ParamGroup]) -> None:
-        self.index = index
-        self.module = module
-        self.fqn = fqn
-        self.groups = groups
-        # (ForwardRecord, SavedWeightHooks or None) of each forward of this unit still running
-        self.forwards_in_flight: list = []
+    index: int                                   # its position in the engine's units (the root: 0)
+    module: nn.Module
+    fqn: str                                     # the module's name in the model ("": the root)
+    groups: list[ParamGroup]
+    mixed_precision: Optional[MixedPrecisionPolicy]   # the policy of the fully_shard call that made it
+    reshard_after_forward: Optional[bool]        # that call's rule (``reshards_after_forward``)
+    forwards_in_flight: list                     # (ForwardRecord, SavedWeightHooks or None) per forward running
+
+    def __init__(self, index: int, module: nn.Module, fqn: str, groups: list[ParamGroup],
+                 mixed_precision: Optional[MixedPrecisionPolicy] = None,
+                 reshard_after_forward: Optional[bool] = True) -> None:
+        self.index, self.module, self.fqn, self.groups = index, module, fqn, groups
+        self.mixed_precision, self.reshard_after_forward = mixed_precision, reshard_after_forward
+        self.forwards_in_flight = []
 
     @property
     def is_root(self) -> bool:
         return self.fqn == ""
+
+    @property
+    def reshards_after_forward(self) -> bool:
+        """ZeRO-3: whether its gathered weights go back after its forward (strategy.py)."""
+        return reshards_after_forward(self.reshard_after_forward, self.is_root)
 
     @property
     def is_unsharded(self) -> bool:

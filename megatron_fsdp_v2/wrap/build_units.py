@@ -40,7 +40,7 @@ class PreparedModel(NamedTuple):
     """What ``fully_shard`` learned of the model before sharding it."""
 
     specs: list                    # units.UnitSpec per unit, the root first
-    inner_policies: list           # (unit module, its mixed-precision policy) of earlier fully_shard calls
+    inner_policies: list           # (unit module, mixed-precision policy, reshard_after_forward) of earlier calls
     experts: frozenset             # ids of expert parameters
     from_meta: bool
     pending: dict                  # meta_init's record of the meta parameters replaced
@@ -67,7 +67,7 @@ def prepare_model(module: nn.Module, strategy, groups: WrapGroups, expert_params
                             "experts alike)." if from_meta else "wrap the model once with unit_modules=[...]."))
     pending = replace_meta_parameters(module, group_device(groups.comm)) if from_meta else {}
     device = check_params(module)
-    specs = assign_units(module, unit_modules, unit_instances=[m for m, _ in inner_policies])
+    specs = assign_units(module, unit_modules, unit_instances=[m for m, _, _ in inner_policies])
     return PreparedModel(specs, inner_policies, frozenset(experts), from_meta, pending, device)
 
 
@@ -88,6 +88,7 @@ def build_units(model: PreparedModel, strategy, groups: WrapGroups, world, alloc
     meshes: dict = {}            # the group's mesh handed to FSDP2's extension protocol, one per process group
     units: list[Unit] = []
     index = 0                                     # the group's position in the whole model
+    rule_of = {id(m): rule for m, _, rule in model.inner_policies}   # nested units keep their call's
     for unit_index, (spec, (policy, gspecs)) in enumerate(zip(model.specs, plans)):
         unit_groups = []
         for gspec in gspecs:
@@ -108,8 +109,8 @@ def build_units(model: PreparedModel, strategy, groups: WrapGroups, world, alloc
             index += 1
             for first_name, _, param in entries:
                 mark_replaced(param, first_name)
-        unit = Unit(unit_index, spec.module, spec.fqn, unit_groups)
-        unit.mixed_precision = policy
+        unit = Unit(unit_index, spec.module, spec.fqn, unit_groups, policy,
+                    rule_of.get(id(spec.module), options.reshard_after_forward))
         units.append(unit)
     built = [group for unit in units for group in unit.groups]
     compact(built)                                 # group/main_segment.py: one allocation per main dtype
@@ -157,7 +158,7 @@ def install_extension_params(module: nn.Module, units: list) -> None:
 
 def _group_plans(model: PreparedModel, mixed_precision, reduce_root_per_child: bool) -> list:
     """Per unit: (its policy, its groups' specs), before any buffer exists."""
-    policy_of = {id(m): policy for m, policy in model.inner_policies}
+    policy_of = {id(m): policy for m, policy, _ in model.inner_policies}
     plans = []
     for spec in model.specs:
         policy = policy_of.get(id(spec.module), mixed_precision)

@@ -36,7 +36,8 @@ def _outermost_wrapped(module: nn.Module, wrapped_class: type) -> list[tuple[str
 
 
 def absorb_wrapped_submodules(module: nn.Module, strategy, comm, wrapped_class: type) -> list:
-    """Unwrap every submodule an earlier ``fully_shard`` wrapped; return ``[(unit module, policy)]``."""
+    """Unwrap every submodule an earlier ``fully_shard`` wrapped; return ``[(unit module, policy,
+    reshard_after_forward)]``: each unit keeps its own call's settings, as FSDP2's nesting does."""
     units = []
     for fqn, inner in _outermost_wrapped(module, wrapped_class):
         engine = inner._fsdp_engine
@@ -52,7 +53,7 @@ def absorb_wrapped_submodules(module: nn.Module, strategy, comm, wrapped_class: 
             raise RuntimeError(
                 f"module: submodule {fqn!r} is in the middle of a training step (gradients not yet reduced); "
                 "wrap the parent before training.")
-        units.extend((unit.module, unit.mixed_precision) for unit in engine.units)
+        units.extend((unit.module, unit.mixed_precision, unit.reshard_after_forward) for unit in engine.units)
         _unwrap(inner, engine)
     return units
 

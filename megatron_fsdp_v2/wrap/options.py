@@ -45,6 +45,7 @@ class WrapOptions:
     reduce_root_per_child: bool = False
     auto_strategy: Any = None          # plan.resolve.AutoStrategy or None (its type checked there)
     offload: Optional[OffloadPolicy] = None
+    reshard_after_forward: Optional[bool] = True
 
     @property
     def is_auto(self) -> bool:
@@ -86,6 +87,9 @@ class WrapOptions:
         for name in ("dtensor_params", "reduce_root_per_child", "persistent_grads"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}.")
+        if not (self.reshard_after_forward is None or isinstance(self.reshard_after_forward, bool)):
+            raise TypeError(f"reshard_after_forward must be True, False or None (FSDP2's default: every unit "
+                            f"but the root), got {self.reshard_after_forward!r}.")
         if self.offload is not None and not isinstance(self.offload, OffloadPolicy):
             raise TypeError(f"offload must be an OffloadPolicy or None, got {type(self.offload).__name__}.")
         if self.init_fn is not None and not callable(self.init_fn):
@@ -105,4 +109,5 @@ class WrapOptions:
             "outer_sharding_strategy": self.outer_sharding_strategy,
             "reduce_root_per_child": str(self.reduce_root_per_child),
             "offload": repr(self.offload),
+            "reshard_after_forward": repr(self.reshard_after_forward),
         }

@@ -57,7 +57,7 @@ def agree_on_wrap(module, groups, model, strategy, allocator, options) -> None:
     agreed = {
         **options.agreed_settings(strategy, allocator),
         "units": ",".join(spec.fqn or "<root>" for spec in model.specs),
-        "nested unit policies": ",".join(f"{type(m).__name__}:{p!r}" for m, p in model.inner_policies),
+        "nested unit policies": ",".join(f"{type(m).__name__}:{p!r}:{r!r}" for m, p, r in model.inner_policies),
         "built on the meta device": str(model.from_meta),
         "expert parameters": ",".join(n for n, p in module.named_parameters() if id(p) in model.experts),
     }

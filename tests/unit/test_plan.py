@@ -43,12 +43,13 @@ def _groups(world: int, inner_size: int):
     return outer, inner
 
 
-def _measure(rank, model_name, strategy, shape, allocator, process_group):
-    """Step 2 (the first steady one: forward order known, pool planned) of K micro-batches: what the engine holds and counts."""
+def _measure(rank, model_name, strategy, shape, allocator, process_group, reshard_after_forward=True):
+    """Step 2 (the first steady one: forward order known, pool planned) of K micro-batches: what the
+    engine holds and counts, and the last loss."""
     model_fn, units, batches = MODELS[model_name]
     torch.manual_seed(0)
     model = fully_shard(model_fn(), sharding_strategy=strategy, unit_modules=units, allocator=allocator,
-                        process_group=process_group)
+                        process_group=process_group, reshard_after_forward=reshard_after_forward)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     alloc = model._fsdp_engine.allocator
     for step in range(2):
@@ -56,13 +57,14 @@ def _measure(rank, model_name, strategy, shape, allocator, process_group):
         alloc.reset_peak()
         for i, (x, y) in enumerate(batches(step, rank, K)):
             with model.no_sync() if i < K - 1 else contextlib.nullcontext():
-                _loss(model(x), y).backward()
+                loss = _loss(model(x), y)
+                loss.backward()
         opt.step()
         if step == 1:
             state = sum(local_piece(t).numel() * t.element_size() for s in opt.state.values()
                         for key, t in s.items() if key != "step")
             out = {"persistent": model.persistent_bytes(), "optimizer_state": state, "comm": model.comm_stats(),
-                   "peak": alloc.peak_live_bytes, "pool": getattr(alloc, "pool_bytes", None)}
+                   "peak": alloc.peak_live_bytes, "pool": getattr(alloc, "pool_bytes", None), "loss": loss.item()}
         opt.zero_grad()
     return out
 
@@ -87,12 +89,12 @@ def _measured(world_size: int):
 CASES = [(w, shape, m, s) for w in SHAPES for shape in SHAPES[w] for m in MODELS for s in STRATEGY_NAMES]
 
 
-def _planned(world_size, shape, model_name, strategy):
+def _planned(world_size, shape, model_name, strategy, reshard_after_forward=True):
     model_fn, units, _ = MODELS[model_name]
     with torch.device("meta"):
         model = model_fn()
     return plan(model, strategy, world_size=world_size, hybrid_shape=shape, unit_modules=units,
-                optimizer="adamw", micro_batches=K, device="cpu")[strategy]
+                optimizer="adamw", micro_batches=K, device="cpu", reshard_after_forward=reshard_after_forward)[strategy]
 
 
 @pytest.mark.parametrize("world_size,shape,model_name,strategy", CASES,

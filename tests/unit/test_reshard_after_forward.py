@@ -1,0 +1,122 @@
+"""``reshard_after_forward`` (FSDP2's argument): ``True`` (ours by default: the strategy table's two
+gathers per ZeRO-3 unit and micro-batch), ``None`` (FSDP2's default: the root stays gathered from
+its forward to the end of its backward) and ``False`` (no unit reshards after forward). Losses are
+the same whatever the rule; ``plan`` predicts the bytes, counts and peaks each rule gives."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn as nn
+
+from megatron_fsdp_v2 import fully_shard
+
+from .dist_utils import run_distributed
+from .models import Block, UnevenNet
+from .test_plan import K, MODELS, _measure, _planned
+
+RULES = (True, None, False)
+ZERO3 = "optim_grads_params"
+
+
+def _worker(rank, world_size):
+    return {(model_name, rule, allocator): _measure(rank, model_name, ZERO3, None, allocator, None, rule)
+            for model_name in MODELS for rule in RULES for allocator in ("storage_freeing", "trace_pool")}
+
+
+@functools.lru_cache(maxsize=None)
+def _measured():
+    return run_distributed(_worker, 2)
+
+
+@pytest.mark.parametrize("model_name", sorted(MODELS))
+@pytest.mark.parametrize("rule", [None, False])
+def test_each_rule_trains_alike_and_moves_what_plan_says(model_name, rule):
+    planned = _planned(2, None, model_name, ZERO3, reshard_after_forward=rule)
+    default = _planned(2, None, model_name, ZERO3)
+    for rank, results in enumerate(_measured()):
+        for allocator in ("storage_freeing", "trace_pool"):
+            got, base = results[(model_name, rule, allocator)], results[(model_name, True, allocator)]
+            assert got["loss"] == base["loss"], (rank, allocator)           # the same values, bit for bit
+            assert got["comm"] == planned.comm, (rank, allocator)
+            assert got["persistent"] == base["persistent"], (rank, allocator)
+        assert results[(model_name, rule, "storage_freeing")]["peak"] == planned.temporaries["storage_freeing"]
+        assert results[(model_name, rule, "trace_pool")]["pool"] == planned.temporaries["trace_pool"]
+    gathers, base_gathers = planned.comm["all_gather"], default.comm["all_gather"]
+    root_bytes = sum(g.layout.total_numel * g.dtypes.compute.itemsize for g in _root_groups(model_name))
+    if rule is None:       # the root is gathered once per micro-batch instead of twice
+        assert base_gathers["bytes"] - gathers["bytes"] == K * root_bytes > 0
+    else:                  # every unit once per micro-batch: half the default's gathers
+        assert 2 * gathers["count"] == base_gathers["count"] and 2 * gathers["bytes"] == base_gathers["bytes"]
+
+
+def _root_groups(model_name):
+    """The root unit's groups as fully_shard lays them out at 2 CPU ranks."""
+    from megatron_fsdp_v2.group.layout import default_alignment
+    from megatron_fsdp_v2.plan.groups import planned_units
+    from megatron_fsdp_v2.strategy import get_strategy
+
+    model_fn, units, _ = MODELS[model_name]
+    with torch.device("meta"):
+        model = model_fn()
+    return planned_units(model, units, None, 2, default_alignment(torch.device("cpu")),
+                         per_parameter=get_strategy(ZERO3).shards_each_parameter)[0].groups
+
+
+def _kept_worker(rank, world_size):
+    """ZeRO-3, ``reshard_after_forward=False``: which units hold gathered weights after an evaluation
+    forward, after a training forward, and after its backward."""
+    torch.manual_seed(0)
+    model = fully_shard(UnevenNet(), sharding_strategy=ZERO3, unit_modules=[Block], reshard_after_forward=False)
+    engine = model._fsdp_engine
+    x = torch.randn(3, 7)
+
+    def gathered():
+        return [unit.is_unsharded for unit in engine.units]
+    with torch.no_grad():
+        model(x)
+    after_eval = gathered()
+    loss = model(x).square().mean()
+    after_forward = gathered()
+    loss.backward()
+    return after_eval, after_forward, gathered()
+
+
+def test_units_kept_after_forward_are_resharded_by_backward_and_after_evaluation():
+    for after_eval, after_forward, after_backward in run_distributed(_kept_worker, 2):
+        assert after_eval == [False] * len(after_eval)
+        assert after_forward == [True] * len(after_forward) and len(after_forward) > 2
+        assert after_backward == [False] * len(after_backward)
+
+
+@pytest.mark.parametrize("value", [2, "auto", 0.5])
+def test_a_bad_rule_is_refused_naming_the_argument(value, single_rank_group):
+    with pytest.raises(TypeError, match=r"reshard_after_forward must be True, False or None \(FSDP2's default: "
+                                        rf"every unit but the root\), got {value!r}\."):
+        fully_shard(nn.Linear(2, 2), sharding_strategy=ZERO3, reshard_after_forward=value)
+
+
+def _nested_worker(rank, world_size, block_rule, root_rule):
+    """Blocks wrapped first with ``block_rule``, then the model with ``root_rule`` (FSDP2's nesting):
+    which units hold gathered weights between the forward and the backward."""
+    torch.manual_seed(0)
+    model = UnevenNet()
+    for block in model.blocks:
+        fully_shard(block, sharding_strategy=ZERO3, reshard_after_forward=block_rule)
+    fully_shard(model, sharding_strategy=ZERO3, reshard_after_forward=root_rule)
+    loss = model(torch.randn(3, 7)).square().mean()
+    kept = {unit.fqn: unit.is_unsharded for unit in model._fsdp_engine.units}
+    loss.backward()
+    return kept
+
+
+@pytest.mark.parametrize("block_rule,root_rule,kept_root,kept_blocks", [
+    (None, None, True, False),      # FSDP2's defaults: a block is not the root once the model is wrapped
+    (False, True, False, True),     # each call keeps its own rule
+    (True, False, True, False),
+])
+def test_nested_calls_keep_their_own_rule(block_rule, root_rule, kept_root, kept_blocks):
+    for kept in run_distributed(_nested_worker, 2, block_rule, root_rule):
+        assert kept == {"": kept_root, "blocks.0": kept_blocks, "blocks.1": kept_blocks, "blocks.2": kept_blocks}

@@ -72,11 +72,17 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
 from ..comm.thread_shutdown import join_thread, shut_down_at_exit
+from .host_link import HostLink
+from .policy import OffloadPolicy
+
+if TYPE_CHECKING:
+    from ..group.param_group import ParamGroup
+    from ..runtime.engine import Engine
 
 __all__ = ["BackwardSteps", "GroupStepRecord", "check_steppable", "install_backward_steps"]
 
@@ -163,7 +169,7 @@ def check_steppable(optimizer, args, kwargs) -> None:
                 f"{index}: with foreach=None torch picks the kernel from the parameters stepped together.")
 
 
-def install_backward_steps(engine, policy) -> None:
+def install_backward_steps(engine: "Engine", policy: Optional[OffloadPolicy]) -> None:
     """Give ``engine`` its thread if ``policy`` opts in and some group is offloaded."""
     link = next((g.offloaded.link for g in engine.groups if g.offloaded is not None), None)
     if policy is not None and policy.step_in_backward and link is not None:
@@ -195,7 +201,7 @@ class _Attached:
     """A group's ``.grad`` as backward (or the thread) left them: what ``optimizer.step()`` checks,
     and for a group stepped on the thread (``hyper``: the hyperparameters it used) puts back."""
 
-    def __init__(self, group) -> None:
+    def __init__(self, group: "ParamGroup") -> None:
         self.group = group
         self.hyper: Optional[list] = None      # set by the thread when it steps the group
         self.grads = [m.grad for m in group.main_params]
@@ -215,7 +221,7 @@ class _Attached:
 class BackwardSteps:
     """The host thread stepping offloaded groups during backward, and what the step checks."""
 
-    def __init__(self, link, threads: Optional[int] = None) -> None:
+    def __init__(self, link: HostLink, threads: Optional[int] = None) -> None:
         self.link = link
         self.threads = threads
         self._optimizer: Optional[weakref.ref] = None
@@ -249,7 +255,7 @@ class BackwardSteps:
         return lambda: self._observers.remove(observer)
 
     # -- the backward's side (autograd's thread) -------------------------------------------------
-    def hand_over(self, group, unused_grads_are_none: bool) -> bool:
+    def hand_over(self, group: "ParamGroup", unused_grads_are_none: bool) -> bool:
         """Step ``group`` on the thread if it may (its gradients for this step just landed)."""
         optimizer = self.optimizer
         if optimizer is None or group.offloaded is None or id(group) in self._handed \
@@ -272,7 +278,7 @@ class BackwardSteps:
         self._queue.put((group, optimizer, unused_grads_are_none, handed_at, stamp))
         return True
 
-    def attach(self, group, unused_grads_are_none: bool) -> None:
+    def attach(self, group: "ParamGroup", unused_grads_are_none: bool) -> None:
         """End of backward: attach ``group``'s ``.grad``. A handed-over group's too, once its
         gradients landed on the host (unless the thread was first), so that between backward and
         ``optimizer.step()`` every ``.grad`` is there and final, whether the thread stepped its
@@ -285,7 +291,7 @@ class BackwardSteps:
         if self._handed:
             self._others.append(_Attached(group))
 
-    def _attach_handed(self, group, unused_grads_are_none: bool) -> "_Attached":
+    def _attach_handed(self, group: "ParamGroup", unused_grads_are_none: bool) -> "_Attached":
         """Wait for a handed-over group's gradients to land and attach them, once per backward
         (whichever of the thread and the end of backward comes first)."""
         # wait outside the lock: the end of backward attaching one group must not hold the thread
@@ -294,7 +300,7 @@ class BackwardSteps:
         group.offloaded.wait_landed()
         return self._attach_landed(group, unused_grads_are_none)
 
-    def _attach_landed(self, group, unused_grads_are_none: bool) -> "_Attached":
+    def _attach_landed(self, group: "ParamGroup", unused_grads_are_none: bool) -> "_Attached":
         """``_attach_handed`` once the group's gradient copies have landed."""
         with self._attach_lock:
             record = self._attached.get(id(group))
@@ -304,7 +310,7 @@ class BackwardSteps:
                 record = self._attached[id(group)] = _Attached(group)
             return record
 
-    def _run(self, group, optimizer, unused_grads_are_none: bool, handed_at, stamp) -> None:
+    def _run(self, group: "ParamGroup", optimizer, unused_grads_are_none: bool, handed_at, stamp) -> None:
         if self._error is not None:
             return
         try:

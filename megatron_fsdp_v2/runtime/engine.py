@@ -7,7 +7,9 @@
   unit pre-forward   ZeRO-3: all-gather this unit (prefetched when possible) and wait for it (with
                      per-parameter shards: its copy-out), then prefetch the next (not over a
                      one-rank gather: Unit.worth_prefetching).
-  unit post-forward  ZeRO-3: reshard; hook the outputs so the unit's backward unshards it again.
+  unit post-forward  ZeRO-3: reshard (not a unit its ``reshard_after_forward`` keeps: FSDP2's
+                     root, gathered until its backward ends); hook the outputs so the unit's
+                     backward unshards it again.
   unit pre-backward  ZeRO-3: all-gather this unit and wait for it, prefetch the one before it in
                      forward order.
   param grad ready   DDP/ZeRO-1: add it to the group's full-size grad buffer; ZeRO-2/3: hold it

@@ -23,8 +23,12 @@ from __future__ import annotations
 
 import itertools
 import weakref
+from typing import TYPE_CHECKING
 
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+if TYPE_CHECKING:
+    from .engine import Engine
 
 _ENGINES: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()   # registration number -> engine
 _NUMBERS = itertools.count()
@@ -83,7 +87,7 @@ def engine_holding(param):
     return None
 
 
-def watch_optimizer_steps(engine) -> None:
+def watch_optimizer_steps(engine: "Engine") -> None:
     """Issue ``engine.weights.refresh()`` after every optimizer step touching its main weights."""
     global _HANDLE
     if _HANDLE is None:
@@ -93,7 +97,7 @@ def watch_optimizer_steps(engine) -> None:
         _ENGINES[next(_NUMBERS)] = engine
 
 
-def unwatch_optimizer_steps(engine) -> None:
+def unwatch_optimizer_steps(engine: "Engine") -> None:
     """Forget ``engine`` (its module was unwrapped, e.g. absorbed by an outer ``fully_shard``)."""
     for number, watched in list(_ENGINES.items()):
         if watched is engine:

@@ -22,10 +22,13 @@ from __future__ import annotations
 import dataclasses
 import weakref
 from functools import partial
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 from torch.utils._pytree import tree_leaves
+
+if TYPE_CHECKING:
+    from ..group.param_group import ParamGroup
 
 
 class ForwardRecord:
@@ -43,7 +46,7 @@ class _SavedWeight:
 
     __slots__ = ("tensor", "group", "record", "on_unpack")
 
-    def __init__(self, tensor: torch.Tensor, group, record: ForwardRecord,
+    def __init__(self, tensor: torch.Tensor, group: "ParamGroup", record: ForwardRecord,
                  on_unpack: Callable[[ForwardRecord, object], None]) -> None:
         self.tensor = tensor
         self.group = group
@@ -65,7 +68,7 @@ def tensors_needing_grad(output, _depth: int = 0) -> list[torch.Tensor]:
     return found
 
 
-def _weight_ranges(groups) -> list[tuple[int, int, object]]:
+def _weight_ranges(groups: "list[ParamGroup]") -> list[tuple[int, int, object]]:
     """[start, end) device addresses of the groups' gathered compute weights, with the group."""
     ranges = []
     for group in groups:
@@ -92,7 +95,8 @@ class SavedWeightHooks:
     to the gathered groups kept a deleted model's parameters alive.
     """
 
-    def __init__(self, on_unpack: Callable[[ForwardRecord, object], None], groups, record: ForwardRecord) -> None:
+    def __init__(self, on_unpack: Callable[[ForwardRecord, "ParamGroup"], None], groups: "list[ParamGroup]",
+                 record: ForwardRecord) -> None:
         self._ranges = _weight_ranges(groups)
         self._record = record
         self._on_unpack = on_unpack

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from .shard_order import natural_from_gathered
+from .part import GroupPart
 
 if TYPE_CHECKING:
     from .param_group import ParamGroup
@@ -16,13 +17,8 @@ if TYPE_CHECKING:
 __all__ = ["GroupExport"]
 
 
-class GroupExport:
+class GroupExport(GroupPart):
     """A part of ParamGroup (its ``exporter``); reads the group's buffers, layout, strategy and communicator."""
-
-    group: "ParamGroup"           # the group this part belongs to (it holds this part too)
-
-    def __init__(self, group: "ParamGroup") -> None:
-        self.group = group
 
     def persistent_bytes(self) -> dict:
         """Bytes this rank keeps between steps, by role (temporaries excluded)."""

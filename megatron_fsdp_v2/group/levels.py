@@ -19,6 +19,7 @@ import torch
 
 from ..comm import PendingCollective, wait_pending
 from ..comm.replicas import HybridLevels, gather_blocks, reduce_blocks
+from .part import GroupPart
 
 if TYPE_CHECKING:
     from .param_group import ParamGroup
@@ -27,18 +28,14 @@ if TYPE_CHECKING:
 __all__ = ["OneLevel", "TwoLevels", "group_levels"]
 
 
-class OneLevel:
+class OneLevel(GroupPart):
     """Flat sharding over the group's ``comm`` (or no sharding)."""
 
-    group: "ParamGroup"                          # the group this part belongs to (it holds this part too)
     allows_per_parameter_shards = True           # the layout may shard each parameter by rows (strategy.py)
     keeps_inner_shard = False                    # no persistent inner shard of compute weights
     packs_trainable = True                       # a partly frozen group reduces its trainable part only
     inner_weights: Optional[torch.Tensor] = None  # (TwoLevels only)
     inner_grad: Optional[torch.Tensor] = None     # (TwoLevels only)
-
-    def __init__(self, group: "ParamGroup") -> None:
-        self.group = group
 
     @property
     def gather_size(self) -> int:

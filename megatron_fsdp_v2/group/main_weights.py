@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 from ..row_sharded import sharded_rows
+from .part import GroupPart
 
 if TYPE_CHECKING:
     from .param_group import ParamGroup
@@ -23,13 +24,8 @@ if TYPE_CHECKING:
 __all__ = ["MainWeights"]
 
 
-class MainWeights:
+class MainWeights(GroupPart):
     """The main weights' pieces and the optimizer's parameters viewing them."""
-
-    group: "ParamGroup"           # the group this part belongs to (it holds this part too)
-
-    def __init__(self, group: "ParamGroup") -> None:
-        self.group = group
 
     def make_params(self) -> None:
         """main_locals: this rank's pieces as plain tensors (what the engine reads and writes);

@@ -12,6 +12,7 @@ import torch
 from ..comm import PendingCollective
 from .grad_buffer import GradBuffer
 from ..offload.host_link import HostLink, OffloadedGroup
+from .part import GroupPart
 
 if TYPE_CHECKING:
     from .param_group import ParamGroup
@@ -19,15 +20,10 @@ if TYPE_CHECKING:
 __all__ = ["GroupOffload"]
 
 
-class GroupOffload:
+class GroupOffload(GroupPart):
     """A part of ParamGroup (its ``offloading``); reads the group's buffers, layout and strategy.
     ``group.offloaded`` (None: on the device) is declared and first set by ParamGroup, like
     everything a group holds."""
-
-    group: "ParamGroup"           # the group this part belongs to (it holds this part too)
-
-    def __init__(self, group: "ParamGroup") -> None:
-        self.group = group
 
     def offload_main(self, link: HostLink) -> None:
         """Keep this group's main shard (and so the optimizer state made from its main parameters)

@@ -11,6 +11,7 @@ import torch
 
 from ..comm import PendingCollective, wait_pending
 from .trainable_pack import TrainablePack, trainable_pack
+from .part import GroupPart
 
 if TYPE_CHECKING:
     from .param_group import ParamGroup
@@ -18,14 +19,9 @@ if TYPE_CHECKING:
 __all__ = ["GroupReduce"]
 
 
-class GroupReduce:
+class GroupReduce(GroupPart):
     """A part of ParamGroup (its ``reducer``); reads and writes the group's gradient buffers, layout,
     strategy and communicator."""
-
-    group: "ParamGroup"           # the group this part belongs to (it holds this part too)
-
-    def __init__(self, group: "ParamGroup") -> None:
-        self.group = group
 
     def reduce_grad(self, divide_factor: float) -> Optional[PendingCollective]:
         """Issue the reduce of this micro-batch's (or accumulated) local gradients over the

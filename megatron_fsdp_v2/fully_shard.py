@@ -164,8 +164,7 @@ class FullyShardedModule:
                     params = [m for g in engine.groups if g.comm is group_comm for m in g.main_params]
                     if params:
                         group_comm.broadcast(params, src_rank, label="parameters (broadcast_parameters)")
-                engine.weights.mark_changed()
-                engine.weights.refresh(wait=True)
+                engine.weights.reload()
             buffers = [b for b in self.buffers() if b.numel()]
             if buffers:
                 engine.comm.broadcast(buffers, src_rank, label="buffers (broadcast_parameters)")

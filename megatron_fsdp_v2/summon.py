@@ -95,8 +95,7 @@ def summon_full_params(module, recurse: bool = True, writeback: bool = True, ran
                     group.main_shard.copy_(own_from_natural(full_main, group.layout, group.comm.rank)
                                            if group.strategy.optim_sharded
                                            else full_main)
-                engine.weights.mark_changed()
-                engine.weights.refresh(wait=True)
+                engine.weights.reload()
 
 
 def _engine_of(module):

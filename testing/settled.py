@@ -3,7 +3,8 @@
 Tests that count every live tensor after a step can see something released a moment late (a
 backend's thread dropping a finished collective's tensors): loaded full-suite runs counted a few
 bytes more on rank 1, once in ``test_lifetime``, twice in ``test_plan_offload`` and once in
-``test_robustness``'s long run (32 bytes at step 100 over step 2), never when run alone. That is not a leak, which stays on every reading.
+``test_robustness``'s long run (32 bytes at step 100 over step 2), never when run alone. That is not
+a leak, which stays on every reading.
 """
 
 from __future__ import annotations

@@ -171,7 +171,7 @@ def load_model_state_dict(model, state_dict: dict, strict: bool = True, assign: 
                 group.main_locals[index].copy_(_to_local(group, index, value, key))
             elif key in buffers:
                 buffers[key].copy_(value)
-    model._fsdp_engine.weights.refresh(wait=True)
+    model._fsdp_engine.weights.reload()
     return _IncompatibleKeys(missing, [k for k in state_dict if k not in shapes])
 
 

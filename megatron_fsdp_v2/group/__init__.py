@@ -1,6 +1,7 @@
-"""One parameter group and its buffers. ``ParamGroup`` (``param_group.py``) holds a group's main-weight,
-model-weight and gradient buffers and their verbs (unshard, reshard, accumulate, refresh), driven by
-the strategy table, with its concerns in parts that each hold it (``part.py``); the flat-buffer layout (``layout.py``) and the per-parameter shards' two orders
+"""One parameter group and its buffers. ``ParamGroup`` (``param_group.py``) holds a group's
+main-weight, model-weight and gradient buffers and their verbs (unshard, reshard, accumulate,
+refresh), driven by the strategy table, with its concerns in parts that each hold it (``part.py``);
+the flat-buffer layout (``layout.py``) and the per-parameter shards' two orders
 (``shard_order.py``); the main weights as the optimizer sees them (``main_weights.py``); the group's
 levels of ranks, flat or HFSDP's inner and outer, each with its own gather, reduce and average
 across replicas (``levels.py``); the group's gradient reduce (``reduce.py``), its held unreduced

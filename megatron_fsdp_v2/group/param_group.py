@@ -10,8 +10,9 @@ A group owns, per ``strategy.py``'s table:
 * grads: a full-size ``full_grad`` (``grads_sharded`` False) or a ``grad_shard``; ZeRO-2/3 keep
   a backward's gradients per parameter until the group reduces, then copy them into a reduce
   input from the allocator (unreduced_grads.py, [Note: unreduced gradients stay per parameter]).
-  With ``persistent_grads`` (Megatron's ``main_grad``) the group keeps them; otherwise, once the reduced gradients are attached as the optimizer's ``.grad``, those
-  views alone hold the buffer (grad_buffer.py, [Note: gradient buffers live as long as .grad]).
+  With ``persistent_grads`` (Megatron's ``main_grad``) the group keeps them; otherwise, once the
+  reduced gradients are attached as the optimizer's ``.grad``, those views alone hold the buffer
+  (grad_buffer.py, [Note: gradient buffers live as long as .grad]).
 
 The engine (``runtime/engine.py``) decides *when* to call ``unshard`` / ``reshard`` / ``reduce_grad`` (reduce.py);
 this file decides *how*, from the table's booleans.

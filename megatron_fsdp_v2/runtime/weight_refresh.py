@@ -20,22 +20,33 @@ class WeightRefresh:
     strategy: ShardingStrategy
     _synced_version: dict                 # id(group) -> main.version() its compute weights were built from
     _dirty: set                           # ids of groups whose main weights an optimizer is stepping
+    _gathers_at_use: bool                 # flat ZeRO-3: no group keeps compute weights between steps
 
     def __init__(self, groups: list[ParamGroup], strategy: ShardingStrategy) -> None:
         self.groups = groups
         self.strategy = strategy
         self._synced_version = {id(g): g.main.version() for g in groups}
         self._dirty = set()
+        self._gathers_at_use = strategy.weights_sharded and not any(g.keeps_compute_weights for g in groups)
 
     def mark_changed(self, param_ids: Optional[set] = None) -> None:
         """The main weights (those in ``param_ids``, default all) are about to change (optimizer
         step, load): refresh their groups at the next ``refresh``.
 
         Version counters alone are not enough: fused optimizer kernels (``AdamW(fused=True)``)
-        update parameters in place without bumping them."""
+        update parameters in place without bumping them. A ZeRO-3 group still gathered since a
+        forward no backward followed (``reshard_after_forward`` kept it) holds the old weights: it
+        gives them back, so its next use gathers the new ones."""
         for group in self.groups:
             if param_ids is None or any(id(m) in param_ids for m in group.main_params):
                 self._dirty.add(id(group))
+                group.reshard()                  # (a no-op unless ZeRO-3 and gathered)
+
+    def reload(self) -> None:
+        """The main weights were written outside an optimizer step (a load, a broadcast, a
+        write-back): every group's compute weights follow now."""
+        self.mark_changed()
+        self.refresh(wait=True)
 
     def refresh(self, wait: bool = False, before_forward: bool = False) -> None:
         """Rebuild replicated compute weights from main weights that changed (ZeRO-1/2: one async
@@ -47,7 +58,7 @@ class WeightRefresh:
         A group stepped by two optimizers before the next forward is refreshed after each; the
         second refresh waits for the first (``ParamGroup.rebuild_compute_weights``), so the forward never
         sees a stale all-gather land last."""
-        if self.strategy.weights_sharded and not any(g.keeps_compute_weights for g in self.groups):
+        if self._gathers_at_use:
             self._start_uploads()
             return                               # ZeRO-3 gathers at use (HFSDP: its inner shards refresh here)
         dirty, self._dirty = self._dirty, set()

@@ -125,3 +125,22 @@ def _nested_worker(rank, world_size, block_rule, root_rule):
 def test_nested_calls_keep_their_own_rule(block_rule, root_rule, kept_root, kept_blocks):
     for kept in run_distributed(_nested_worker, 2, block_rule, root_rule):
         assert kept == {"": kept_root, "blocks.0": kept_blocks, "blocks.1": kept_blocks, "blocks.2": kept_blocks}
+
+
+def _stale_worker(rank, world_size, rule):
+    """A training forward no backward follows (its output dropped), an optimizer step, then the next
+    forward: a unit kept gathered since the dropped forward must show the stepped weights."""
+    torch.manual_seed(0)
+    model = fully_shard(UnevenNet(), sharding_strategy=ZERO3, unit_modules=[Block], reshard_after_forward=rule)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(3, 7)
+    model(x).square().mean().backward()
+    model(x)                                   # e.g. a metric computed with grad enabled
+    opt.step()
+    return model(x).detach()
+
+
+def test_a_step_after_a_forward_without_backward_gives_kept_units_the_new_weights():
+    for rule in (None, False):
+        for want, got in zip(run_distributed(_stale_worker, 2, True), run_distributed(_stale_worker, 2, rule)):
+            assert torch.equal(want, got), rule

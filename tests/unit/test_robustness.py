@@ -13,6 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 from megatron_fsdp_v2 import STRATEGY_NAMES, fully_shard
 from megatron_fsdp_v2.row_sharded import local_piece
 from testing.settled import settled
+from tests.cpu_live_bytes import live_storages
 
 from .dist_utils import run_distributed
 from .models import Block, UnevenNet, make_batches
@@ -152,23 +153,11 @@ def _hook_count(module):
     return n
 
 
-def _tensor_bytes_now():
-    total = 0
-    for obj in gc.get_objects():
-        if not issubclass(type(obj), torch.Tensor):     # type(): no __class__ lookups (deprecated objects warn)
-            continue
-        try:
-            if not obj.is_meta:
-                total += obj.untyped_storage().nbytes()
-        except Exception:  # noqa: BLE001
-            pass
-    return total
-
-
 def _tensor_bytes():
-    """Bytes of every live tensor's storage, once two readings agree (a CI run counted 32 bytes more at
-    step 100 than at step 2, once: a tensor released a moment late, see testing/settled.py)."""
-    return settled(_tensor_bytes_now)
+    """Bytes of every live CPU storage (tests/cpu_live_bytes.py), once two readings agree (a CI run
+    counted 32 bytes more at step 100 than at step 2, once: a tensor released a moment late, see
+    testing/settled.py)."""
+    return settled(lambda: sum(nbytes for nbytes, _ in live_storages().values()))
 
 
 def long_run_worker(rank, world_size, steps):

@@ -6,7 +6,8 @@ shard into a flat compute buffer and gathers that, this one asks each parameter'
 (protocol.py, [Note: gathered through the tensor's own protocol]):
 
 * ``no_shard`` (and any strategy over one rank): ``pre`` on the whole main weight, its outputs
-  copied into the compute weight's storage, ``post``: a local cast, no collective;
+  copied into the compute weight's storage (torchao's float8 cast writes there directly,
+  float8_cast.py), ``post``: a local cast, no collective;
 * ZeRO-1/2: ``pre`` on this rank's main shard after the step, one all-gather of every output of
   the group's parameters (as bytes: float8 travels as uint8, which gloo accepts), ``post``;
   deferred to the next forward, as FSDP2 gathers, so a scale that
@@ -34,6 +35,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from ..comm import PendingCollective
+from .float8_cast import fused_float8_pre_all_gather
 from .protocol import TensorClass, pre_all_gather
 
 __all__ = ["ExtensionWeights"]
@@ -73,12 +75,19 @@ class ExtensionWeights:
         return self.classes[index].rewrap(local)
 
     # ------------------------------------------------------------------ pre
-    def _pre(self, group, index: int) -> tuple[list, Any]:
+    def _pre(self, group, index: int, into: Optional[torch.Tensor] = None) -> tuple[list, Any]:
+        """``pre`` of parameter ``index``: torchao's float8 cast in one kernel where it applies
+        (float8_cast.py, [Note: the float8 cast in one kernel]; ``into``: where its bytes may land),
+        else the class's own method."""
         local = _protocol_tensor(group, index)
         shape = torch.Size(group.shapes[index])
-        with torch.no_grad():
-            outputs, metadata = pre_all_gather(local, self.mesh, shape, _contiguous_stride(shape),
-                                               self.owners[index], self.mp_policy)
+        fused = fused_float8_pre_all_gather(local, into)
+        if fused is not None:
+            outputs, metadata = fused
+        else:
+            with torch.no_grad():
+                outputs, metadata = pre_all_gather(local, self.mesh, shape, _contiguous_stride(shape),
+                                                   self.owners[index], self.mp_policy)
         if not group.strategy.optim_sharded:
             return list(outputs), metadata
         rows_here = local.shape[0]
@@ -89,14 +98,25 @@ class ExtensionWeights:
     def refresh(self, group, async_op: bool) -> PendingCollective:
         """Compute weights from the main weights: a local cast (``no_shard``) or one all-gather of the
         group's outputs as bytes, ``post`` once it has landed."""
-        pres = [self._pre(group, i) for i in range(len(self.classes))]
-        group.comm.stats.record_scales([t for _, metadata in pres for t in _tensors_in(metadata)])
         if not group.strategy.optim_sharded or group.comm.size == 1:       # nothing to gather: a cast
-            for index, (outputs, metadata) in enumerate(pres):
+            for index in range(len(self.classes)):
+                outputs, metadata = self._pre(group, index, into=self._landing(index))
+                group.comm.stats.record_scales(_tensors_in(metadata))
                 self._land(index, outputs)
                 self._post(group, index, metadata)
             return PendingCollective(None, lambda: None)
+        pres = [self._pre(group, i) for i in range(len(self.classes))]
+        group.comm.stats.record_scales([t for _, metadata in pres for t in _tensors_in(metadata)])
         return self._gather(group, pres, async_op)
+
+    def _landing(self, index: int) -> Optional[torch.Tensor]:
+        """A local cast's target for parameter ``index``'s one output, its storage back (None before
+        the first cast, or for a class with several outputs)."""
+        outputs = self.outputs[index]
+        if outputs is None or len(outputs) != 1:
+            return None
+        self._ensure_outputs(index, outputs, 1)
+        return outputs[0]
 
     def _gather(self, group, pres: list, async_op: bool) -> PendingCollective:
         comm, key = group.comm, (group.name, "extension_gathered")
@@ -132,7 +152,8 @@ class ExtensionWeights:
         self._ensure_outputs(index, outputs, 1)
         with torch.no_grad():
             for target, out in zip(self.outputs[index], outputs):
-                target.copy_(out)
+                if out is not target:             # (pre wrote into it: float8_cast.py)
+                    target.copy_(out)
 
     def _ensure_outputs(self, index: int, outputs: list, ranks: int) -> None:
         """Parameter ``index``'s gathered tensors exist and have storage (made at the first gather,

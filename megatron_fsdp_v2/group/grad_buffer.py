@@ -74,16 +74,18 @@ def gradient_pool_stream(device: torch.device):
     return _POOL_STREAMS[key]
 
 
-def zeroed_from_pool(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zeroed flat buffer; on an accelerator its block comes from the gradient pool."""
+def zeroed_from_pool(numel: int, dtype: torch.dtype, device: torch.device, zeroed: bool = True) -> torch.Tensor:
+    """A zeroed flat buffer (``zeroed=False``: uninitialized, for a caller that overwrites all of
+    it); on an accelerator its block comes from the gradient pool."""
     pool = gradient_pool_stream(device)
     if pool is None:
-        return torch.zeros(numel, dtype=dtype, device=device)
+        return torch.zeros(numel, dtype=dtype, device=device) if zeroed else torch.empty(
+            numel, dtype=dtype, device=device)
     module = torch.get_device_module(device)
     with module.stream(pool):
         buffer = torch.empty(numel, dtype=dtype, device=device)
     buffer.record_stream(module.current_stream(device))
-    return buffer.zero_()
+    return buffer.zero_() if zeroed else buffer
 
 
 _BLOCK_ALIGN = 512            # the caching allocator rounds every block up to this
@@ -133,13 +135,13 @@ class GradBuffer:
             return self._held
         return self._weak() if self._weak is not None else None
 
-    def ensure(self) -> tuple[torch.Tensor, bool]:
+    def ensure(self, zeroed: bool = True) -> tuple[torch.Tensor, bool]:
         """``(buffer, fresh)``: the buffer, held strongly again; a new zeroed one (``fresh``) if it
-        was freed."""
+        was freed (``zeroed=False``: a new one uninitialized, for a caller that overwrites it all)."""
         buffer = self.live()
         fresh = buffer is None
         if fresh:
-            buffer = zeroed_from_pool(self.numel, self.dtype, self.device)
+            buffer = zeroed_from_pool(self.numel, self.dtype, self.device, zeroed)
         self._held, self._weak = buffer, None
         return buffer, fresh
 

@@ -269,9 +269,10 @@ class ParamGroup:
         """ZeRO-2/3: this rank's reduced-gradient shard (None while released, or frozen)."""
         return self.grads.live() if self.strategy.grads_sharded else None
 
-    def _ensure_grads(self) -> torch.Tensor:
-        """The gradient buffer, held strongly again; a zeroed one if it was freed."""
-        buffer, fresh = self.grads.ensure()
+    def _ensure_grads(self, zeroed: bool = True) -> torch.Tensor:
+        """The gradient buffer, held strongly again; a zeroed one if it was freed (``zeroed=False``:
+        uninitialized, for a reduce that overwrites all of it)."""
+        buffer, fresh = self.grads.ensure(zeroed)
         if fresh:
             self._own_region_holds_mean = False
         return buffer

@@ -78,7 +78,8 @@ class GroupReduce(GroupPart):
                 elif full is not group.full_grad:
                     group.full_grad.copy_(full)
                 release_input()
-                group.full_grad.div_(divide_factor)
+                if divide_factor != 1:
+                    group.full_grad.div_(divide_factor)
                 if group.offloaded is not None:
                     group.offloaded.land_grads(group.full_grad, 1.0, overwrite=True)
         return work, on_complete
@@ -91,7 +92,8 @@ class GroupReduce(GroupPart):
         # them): reduce straight into a new grad shard instead of a temporary beside it.
         into_shard = (group.strategy.grads_sharded and group.grads.live() is None and pack is None
                       and group.dtypes.grad == full.dtype and group.offloaded is None)
-        shard_out = (group._ensure_grads() if into_shard else torch.empty(
+        # (a new buffer is left uninitialized: the reduce-scatter writes every element of it)
+        shard_out = (group._ensure_grads(zeroed=False) if into_shard else torch.empty(
             group.layout.shard_numel if pack is None else pack.chunk, dtype=full.dtype, device=group.device))
         work = group.comm.reduce_scatter(shard_out, full, async_op=True, label=f"grads of {group.name}",
                                         splits=None if pack is None else pack.splits)
@@ -103,7 +105,8 @@ class GroupReduce(GroupPart):
                     # added straight into this rank's rows (0 + x * (1 / f): as into_shard gives it)
                     pack.scatter_own(shard_out, group._ensure_grads(), add=True, alpha=1.0 / divide_factor)
                 elif into_shard:                    # as the add in _land_shard would give it: x * (1 / f)
-                    shard_out.mul_(1.0 / divide_factor)
+                    if divide_factor != 1:          # one rank (or a sum asked for): x * 1 is x, no pass over it
+                        shard_out.mul_(1.0 / divide_factor)
                 else:
                     self._land_shard(shard_out if pack is None else self._unpacked(pack, shard_out), divide_factor)
         return work, on_complete
@@ -126,7 +129,9 @@ class GroupReduce(GroupPart):
             group.full_grad[end:].zero_()
             own = group.full_grad[start:end]
             if group._stash is None:
-                own.copy_(shard_out).div_(divide_factor)
+                own.copy_(shard_out)
+                if divide_factor != 1:
+                    own.div_(divide_factor)
             else:
                 own.copy_(group._stash).add_(shard_out, alpha=1.0 / divide_factor)
                 group._release_stash()

@@ -1,0 +1,75 @@
+"""torchao's float8 weight cast at gather time, in one kernel.
+
+[Note: the float8 cast in one kernel]
+torchao's ``WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather``, once
+``precompute_float8_dynamic_scale_for_fsdp`` has stored a scale on the weight, casts the
+high-precision shard in eager mode: ``hp.to(float32) * scale``, ``clamp(-max, max)``,
+``.to(float8)``. That is three kernels and two float32 temporaries the size of the weight, at
+every gather (forward, and again in backward under ZeRO-3). On one H100 with issue 47's 8-layer
+Llama at one rank, those casts take about 27 ms of a 290 ms step (benchmarks/llama_profile.py).
+
+For exactly that class with a stored scale, on CUDA, we compute the same bytes with one compiled
+pointwise kernel: the same float32 multiply, the same clamp and the same round-to-nearest
+conversion. tests/test_float8_cast.py checks it bit for bit against torchao's own method. The
+result is what torchao returns, ``((data,), (scale,))``, so ``fsdp_post_all_gather`` is unchanged.
+Everything else goes through the class's own method: no stored scale (the dynamic amax, whose
+all-reduce is torchao's), another class, or a tensor that is not on CUDA.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+__all__ = ["fused_float8_pre_all_gather"]
+
+# Where the compiled kernel is used. Tests add "cpu" to check the same path against torchao there.
+DEVICE_TYPES: tuple = ("cuda",)
+
+_compiled: dict = {}
+
+
+def _scaled_cast(hp: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
+    """torchao's ``hp_tensor_and_scale_to_float8`` and ``to_fp8_saturated``, written into ``out``."""
+    max_value = torch.finfo(out.dtype).max
+    out.copy_((hp.to(torch.float32) * scale).clamp(min=-max_value, max=max_value).to(out.dtype))
+
+
+def _kernel():
+    """The compiled cast, made on first use: one graph for every length (dynamic), per dtype pair."""
+    if "cast" not in _compiled:
+        _compiled["cast"] = torch.compile(_scaled_cast, dynamic=True, fullgraph=True)
+    return _compiled["cast"]
+
+
+def _cast_class() -> Optional[type]:
+    try:
+        from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+    except Exception:            # torchao absent or broken: nothing to speed up
+        return None
+    return WeightWithDynamicFloat8CastTensor
+
+
+def fused_float8_pre_all_gather(local: torch.Tensor, into: Optional[torch.Tensor] = None
+                                ) -> Optional[tuple[tuple[torch.Tensor, ...], Any]]:
+    """``local.fsdp_pre_all_gather``'s result computed in one kernel, or None where this does not
+    apply (the caller then calls the method). ``into``: a float8 tensor of the weight's shape to
+    write the bytes into (a gather over one rank lands there directly)."""
+    cls = _cast_class()
+    if cls is None or type(local) is not cls:
+        return None
+    scale, hp = local._precomputed_scale, local._tensor
+    if (type(scale) is not torch.Tensor or type(hp) is not torch.Tensor or not hp.is_contiguous()
+            or hp.device.type not in DEVICE_TYPES):
+        return None
+    if into is None:
+        into = torch.empty(hp.shape, dtype=local._dtype, device=hp.device)
+    if into.dtype != local._dtype or into.shape != hp.shape or not into.is_contiguous():
+        return None
+    with torch.no_grad():
+        if torch.compiler.is_compiling():        # inside a traced region: the same ops, fused by that graph
+            _scaled_cast(hp.view(-1), scale, into.view(-1))
+        else:
+            _kernel()(hp.view(-1), scale, into.view(-1))
+    return (into,), (scale,)

@@ -18,6 +18,7 @@ all-reduce is torchao's), another class, or a tensor that is not on CUDA.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Optional
 
 import torch
@@ -37,10 +38,27 @@ def _scaled_cast(hp: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> No
 
 
 def _kernel():
-    """The compiled cast, made on first use: one graph for every length (dynamic), per dtype pair."""
+    """The compiled cast, made on first use: one graph for every length (dynamic), per dtype pair.
+    None once compiling failed here (no triton, say): torchao's own cast from then on."""
     if "cast" not in _compiled:
         _compiled["cast"] = torch.compile(_scaled_cast, dynamic=True, fullgraph=True)
     return _compiled["cast"]
+
+
+def _run_compiled(hp: torch.Tensor, scale: torch.Tensor, into: torch.Tensor) -> bool:
+    """Cast with the compiled kernel; False (with one warning) if it can not be compiled here."""
+    kernel = _kernel()
+    if kernel is None:
+        return False
+    try:
+        kernel(hp, scale, into)
+    except Exception as error:                 # the same bytes come from torchao's method instead
+        _compiled["cast"] = None
+        warnings.warn(f"megatron_fsdp_v2: the fused float8 weight cast could not be compiled ({type(error).__name__}: "
+                      f"{str(error).splitlines()[0] if str(error) else ''}); torchao's own cast is used instead "
+                      "(the same values, slower).", RuntimeWarning, stacklevel=3)
+        return False
+    return True
 
 
 def _cast_class() -> Optional[type]:
@@ -70,6 +88,6 @@ def fused_float8_pre_all_gather(local: torch.Tensor, into: Optional[torch.Tensor
     with torch.no_grad():
         if torch.compiler.is_compiling():        # inside a traced region: the same ops, fused by that graph
             _scaled_cast(hp.view(-1), scale, into.view(-1))
-        else:
-            _kernel()(hp.view(-1), scale, into.view(-1))
+        elif not _run_compiled(hp.view(-1), scale, into.view(-1)):
+            return None
     return (into,), (scale,)

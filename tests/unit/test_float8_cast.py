@@ -107,3 +107,14 @@ def test_fused_cast_on_cuda_gives_torchao_bytes(shape):
     local = _weight(hp, torch.tensor(448.0 / 6.0, device="cuda"))
     got, _ = float8_cast.fused_float8_pre_all_gather(local)
     assert_same_bytes(got[0], local.fsdp_pre_all_gather(None)[0][0])
+
+
+def test_a_cast_that_can_not_compile_falls_back_to_torchao_with_a_warning(on_cpu, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("no backend here")
+    monkeypatch.setattr(float8_cast, "_compiled", {"cast": broken})
+    local = _weight(torch.randn(8, 4), torch.tensor(2.0))
+    with pytest.warns(RuntimeWarning, match="RuntimeError: no backend here.*torchao's own cast"):
+        assert float8_cast.fused_float8_pre_all_gather(local) is None
+    assert float8_cast._compiled["cast"] is None
+    assert float8_cast.fused_float8_pre_all_gather(local) is None       # no second try, no second warning

@@ -171,19 +171,36 @@ class StepCollectives(CollectiveCounter):
     _IGNORED = ("_c10d_functional.wait_tensor.default", "_c10d_functional._wrap_tensor_autograd.default",
                 "c10d.barrier.default", "c10d.monitored_barrier_.default")
 
+    def __init__(self, group=None) -> None:
+        super().__init__(group)
+        self.gathered_by_dtype: Dict[str, int] = {}   # all-gather bytes by the dtype that travels
+
     @classmethod
     def ignore_compile_internals(cls) -> bool:
         return True
+
+    def _note_dtype(self, buffers, nbytes: int) -> None:
+        first = buffers
+        while isinstance(first, (list, tuple)):
+            first = first[0]
+        name = str(first.dtype).replace("torch.", "")
+        self.gathered_by_dtype[name] = self.gathered_by_dtype.get(name, 0) + nbytes
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace in ("c10d", "_c10d_functional"):
             name = str(func)
             if name in _C10D_OPS:
-                return super().__torch_dispatch__(func, types, args, kwargs)
+                before = len(self.calls)
+                out = super().__torch_dispatch__(func, types, args, kwargs)
+                if len(self.calls) > before and self.calls[-1][0] == "all_gather":
+                    self._note_dtype(args[_C10D_OPS[name][1]], self.calls[-1][1])
+                return out
             if name in self._EXTRA:
                 kind, index, mult = self._EXTRA[name]
                 nbytes = _nbytes(args[index]) * (int(args[mult]) if mult is not None else 1)
                 self.calls.append((kind, nbytes))
+                if kind == "all_gather":
+                    self._note_dtype(args[index], nbytes)
             elif name not in self._IGNORED:
                 self.calls.append((f"unexpected {name}", 0))
         return func(*args, **(kwargs or {}))
@@ -455,6 +472,7 @@ def run_system(ctx: Ctx, system: System) -> Dict[str, Any]:
                 summary = counter.summary()
                 res["collectives_per_step"] = {k: dict(calls=c, bytes=b) for k, (c, b) in summary.items()}
                 res["all_gather_bytes_per_step"] = summary.get("all_gather", (0, 0))[1]
+                res["all_gather_bytes_by_dtype_per_step"] = dict(counter.gathered_by_dtype)
                 unexpected = [k for k in summary if k.startswith("unexpected")]
                 if unexpected:
                     res["notes"].append("collectives not counted: " + ", ".join(unexpected))
@@ -556,6 +574,27 @@ def goals(meta, results) -> List[str]:
         ratio = o8["all_gather_bytes_per_step"] / ob["all_gather_bytes_per_step"]
         out.append(f"goal ours-fp8 all-gather bytes = 1/2 of ours-bf16's (fake {meta['world']}): {ratio:.3f}x -> "
                    f"{'met' if ratio <= 0.5 + 1e-3 else 'missed'}")
+        split = _float8_weights_ratio(o8, ob)
+        if split is not None:
+            out.append(split)
+    return out
+
+
+def _float8_weights_ratio(o8: Dict[str, Any], ob: Dict[str, Any]) -> Optional[str]:
+    """The bytes of the weights the recipe converts, fp8 against bf16: in the fp8 run the 1-byte
+    dtypes are theirs and the bf16 bytes are the weights left in bf16 (embedding, lm_head, norms),
+    which move the same in the bf16 run; so there the converted weights move its total less those."""
+    fp8_run, bf16_run = o8.get("all_gather_bytes_by_dtype_per_step"), ob.get("all_gather_bytes_per_step")
+    if not fp8_run or not bf16_run:
+        return None
+    one_byte = sum(b for name, b in fp8_run.items() if name in ("uint8", "float8_e4m3fn", "float8_e5m2"))
+    kept_bf16 = fp8_run.get("bfloat16", 0)
+    if sum(fp8_run.values()) != one_byte + kept_bf16 or bf16_run <= kept_bf16:
+        return None
+    converted_in_bf16 = bf16_run - kept_bf16
+    return (f"float8-converted weights alone: {one_byte / 1e6:.1f} MB in fp8 vs {converted_in_bf16 / 1e6:.1f} MB in bf16 "
+            f"= {one_byte / converted_in_bf16:.4f}x; the weights the recipe keeps in bf16 move {kept_bf16 / 1e6:.1f} MB "
+            "in both runs")
     return out
 
 

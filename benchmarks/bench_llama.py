@@ -458,12 +458,7 @@ def run_system(ctx: Ctx, system: System) -> Dict[str, Any]:
             sync(ctx)
             t = time.perf_counter()
             with counter:
-                loss = model(input_ids=ctx.tokens, labels=ctx.tokens).loss
-                loss.backward()
-                opt.step()
-                if after_step is not None:
-                    after_step()
-                opt.zero_grad(set_to_none=True)
+                loss = train_step(ctx, model, opt, after_step)
             sync(ctx)
             times.append(time.perf_counter() - t)
             losses.append(float(loss.detach()))
@@ -543,6 +538,18 @@ def _reference(results, r) -> Optional[Dict[str, Any]]:
     ref = next((x for x in results if x["kind"] == "fsdp2" and x["fp8"] == r["fp8"]
                 and x["status"] == "ok"), None)
     return None if ref is None or ref is r else ref
+
+
+def train_step(ctx, model, opt, after_step) -> torch.Tensor:
+    """One step of the recipe: forward, backward, ``optimizer.step()``, the float8 precompute
+    (``after_step``), ``zero_grad``; the loss."""
+    loss = model(input_ids=ctx.tokens, labels=ctx.tokens).loss
+    loss.backward()
+    opt.step()
+    if after_step is not None:
+        after_step()
+    opt.zero_grad(set_to_none=True)
+    return loss
 
 
 def goals(meta, results) -> List[str]:

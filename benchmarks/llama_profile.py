@@ -111,12 +111,7 @@ def profile_system(ctx, system, trace_dir: Path | None) -> str:
 
     def step() -> None:
         with torch.profiler.record_function("llama_profile.step"):
-            loss = model(input_ids=ctx.tokens, labels=ctx.tokens).loss
-            loss.backward()
-            opt.step()
-            if after_step is not None:
-                after_step()
-            opt.zero_grad(set_to_none=True)
+            B.train_step(ctx, model, opt, after_step)
     try:
         for _ in range(ctx.args.warmup):
             step()

@@ -16,7 +16,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
 from megatron_fsdp_v2 import MixedPrecisionPolicy, fully_shard
 from megatron_fsdp_v2.extensions import float8_cast
@@ -24,29 +23,9 @@ from megatron_fsdp_v2.extensions import float8_cast
 from .harness import STRATEGIES
 
 torchao_float8 = pytest.importorskip("torchao.float8", reason="torchao is not installed (pip install '.[float8]')")
+from tests.unit.test_float8 import WIDTH, Block, Net  # noqa: E402  (the CPU suite's model: 3 blocks and a head)
 
-WIDTH = 256
 STEPS = 6
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1 = nn.Linear(WIDTH, 4 * WIDTH)
-        self.fc2 = nn.Linear(4 * WIDTH, WIDTH)
-
-    def forward(self, x):
-        return x + self.fc2(torch.relu(self.fc1(x)))
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.Sequential(*[Block() for _ in range(3)])
-        self.head = nn.Linear(WIDTH, 16)
-
-    def forward(self, x):
-        return self.head(self.blocks(x))
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +53,7 @@ def _train(world, strategy: str, compiled: str, fused: bool) -> list:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     g = torch.Generator(device=world.device).manual_seed(world.rank)
     x = torch.randn(64, WIDTH, device=world.device, generator=g).bfloat16()
-    y = torch.randn(64, 16, device=world.device, generator=g)
+    y = torch.randn(64, 1, device=world.device, generator=g)
     losses = []
     for _ in range(STEPS):
         loss = (model(x).float() - y).square().mean()

@@ -359,8 +359,10 @@ def test_megatron_ddp_loads_our_checkpoints_and_continues(tmp_path):
         for rank in range(2):
             assert megatron[rank][case]["unequal"] == [] and megatron[rank][case]["moments"] > 20000, case
             assert megatron[rank][case]["steps"] == {float(SAVED_ITERS)}, (case, megatron[rank][case]["steps"])
-            # the continuation: the same losses bitwise; weights within an ulp (the reductions' order differs)
-            assert megatron[rank][case]["losses"] == ours[rank][case]["losses"], case
+            # the continuation: the same losses and weights up to rounding. Megatron's distributed
+            # optimizer reduce-scatters where ours (no_shard) all-reduces, so sums run in another order;
+            # bitwise equal on the CPUs CI ran on before 2026-12-06, 3e-8 apart on an AVX-512 AMD EPYC.
+            assert megatron[rank][case]["losses"] == pytest.approx(ours[rank][case]["losses"], rel=1e-6, abs=0), case
             for key, value in ours[rank][case]["weights"].items():
                 torch.testing.assert_close(megatron[rank][case]["weights"][key], value, rtol=1e-5, atol=1e-6, msg=key)
 

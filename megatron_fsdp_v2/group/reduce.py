@@ -41,36 +41,13 @@ class GroupReduce(GroupPart):
             self._drop_unreduced()
             return None
         pack = self.trainable_pack(self._holding_local_grads)   # some frozen since wrapping: the rest only
-        if self._lands_in_new_shard_alone(pack):
-            self._write_new_shard_alone(divide_factor)
-            work, on_complete = None, lambda: None
-        else:
-            full, release_input = self._grad_comm_input(pack)
-            work, on_complete = group.levels.issue_reduce(full, release_input, pack, divide_factor)
+        full, release_input = self._grad_comm_input(pack)
+        work, on_complete = group.levels.issue_reduce(full, release_input, pack, divide_factor)
         group.reduced_this_backward = True
         group.has_unreduced_grads = False
         group.awaiting_replica_reduce = True      # hybrid sharding: the outer average is still to come
         group.grads_ready = [False] * len(group.params)
         return PendingCollective(work, on_complete)
-
-    def _lands_in_new_shard_alone(self, pack: Optional[TrainablePack]) -> bool:
-        """ZeRO-2/3 over one rank with no reduced gradients held yet (the first backward after
-        ``zero_grad`` freed them): the reduce's result is the local gradients themselves."""
-        group = self.group
-        return (group.comm.size == 1 and group.strategy.grads_sharded and pack is None
-                and group.grads.live() is None and group.offloaded is None
-                and group.dtypes.grad == group.dtypes.grad_comm)
-
-    def _write_new_shard_alone(self, divide_factor: float) -> None:
-        """The local gradients written (cast) straight into a new grad shard: no collective input
-        beside it and no copy of it (FSDP2 over one rank copies its reduce-scatter input into the
-        output). The values are those the one-rank reduce-scatter gives."""
-        group = self.group
-        shard = group._ensure_grads(zeroed=False)
-        group._unreduced.write_into(shard, group.layout)
-        if divide_factor != 1:
-            with torch.no_grad():
-                shard.mul_(1.0 / divide_factor)
 
     def _drop_unreduced(self) -> None:
         """Forget local gradients no parameter of the group needs any more (every parameter frozen

@@ -10,7 +10,7 @@ Llama at one rank, those casts take about 27 ms of a 290 ms step (benchmarks/lla
 
 For exactly that class with a stored scale, on CUDA, we compute the same bytes with one compiled
 pointwise kernel: the same float32 multiply, the same clamp and the same round-to-nearest
-conversion. tests/test_float8_cast.py checks it bit for bit against torchao's own method. The
+conversion. tests/unit/test_float8_cast.py checks it bit for bit against torchao's own method. The
 result is what torchao returns, ``((data,), (scale,))``, so ``fsdp_post_all_gather`` is unchanged.
 Everything else goes through the class's own method: no stored scale (the dynamic amax, whose
 all-reduce is torchao's), another class, or a tensor that is not on CUDA.

@@ -118,3 +118,24 @@ def test_a_cast_that_can_not_compile_falls_back_to_torchao_with_a_warning(on_cpu
         assert float8_cast.fused_float8_pre_all_gather(local) is None
     assert float8_cast._compiled["cast"] is None
     assert float8_cast.fused_float8_pre_all_gather(local) is None       # no second try, no second warning
+
+
+def fused_compile_worker(rank, world_size, strategy, where):
+    """The fused cast called from our eager unit hooks while dynamo runs the compiled blocks or model."""
+    from tests.unit.test_float8 import compile_worker
+    float8_cast.DEVICE_TYPES = ("cuda", "cpu")
+    float8_cast._compiled.clear()
+    try:
+        losses, _ = compile_worker(rank, world_size, strategy, True, where, 4)
+    finally:
+        float8_cast.DEVICE_TYPES = ("cuda",)
+    return losses, "cast" in float8_cast._compiled and float8_cast._compiled["cast"] is not None
+
+
+@pytest.mark.parametrize("strategy,where", [("optim_grads_params", "model"), ("optim_grads", "block")])
+def test_fused_cast_under_a_compiled_model_trains_as_eager(strategy, where):
+    from tests.unit.test_float8 import train_worker
+    eager = run_distributed(train_worker, 2, strategy, 4, False, True)[0]
+    losses, compiled_cast = run_distributed(fused_compile_worker, 2, strategy, where)[0]
+    assert compiled_cast
+    assert losses == pytest.approx(eager, abs=1e-5), (losses, eager)

@@ -18,6 +18,7 @@ all-reduce is torchao's), another class, or a tensor that is not on CUDA.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any, Optional
 
@@ -61,7 +62,9 @@ def _run_compiled(hp: torch.Tensor, scale: torch.Tensor, into: torch.Tensor) -> 
     return True
 
 
+@functools.cache
 def _cast_class() -> Optional[type]:
+    """torchao's float8 weight class, looked up once (this runs at every gather of every weight)."""
     try:
         from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
     except Exception:            # torchao absent or broken: nothing to speed up

@@ -74,17 +74,17 @@ def gradient_pool_stream(device: torch.device):
     return _POOL_STREAMS[key]
 
 
-def zeroed_from_pool(numel: int, dtype: torch.dtype, device: torch.device, zeroed: bool = True) -> torch.Tensor:
-    """A zeroed flat buffer (``zeroed=False``: uninitialized, for a caller that overwrites all of
-    it); on an accelerator its block comes from the gradient pool."""
+def new_from_pool(numel: int, dtype: torch.dtype, device: torch.device, zeroed: bool = True) -> torch.Tensor:
+    """A new flat buffer, zeroed (``zeroed=False``: uninitialized, for a caller that overwrites all
+    of it); on an accelerator its block comes from the gradient pool."""
     pool = gradient_pool_stream(device)
     if pool is None:
-        return torch.zeros(numel, dtype=dtype, device=device) if zeroed else torch.empty(
-            numel, dtype=dtype, device=device)
-    module = torch.get_device_module(device)
-    with module.stream(pool):
         buffer = torch.empty(numel, dtype=dtype, device=device)
-    buffer.record_stream(module.current_stream(device))
+    else:
+        module = torch.get_device_module(device)
+        with module.stream(pool):
+            buffer = torch.empty(numel, dtype=dtype, device=device)
+        buffer.record_stream(module.current_stream(device))
     return buffer.zero_() if zeroed else buffer
 
 
@@ -141,7 +141,7 @@ class GradBuffer:
         buffer = self.live()
         fresh = buffer is None
         if fresh:
-            buffer = zeroed_from_pool(self.numel, self.dtype, self.device, zeroed)
+            buffer = new_from_pool(self.numel, self.dtype, self.device, zeroed)
         self._held, self._weak = buffer, None
         return buffer, fresh
 

@@ -14,6 +14,14 @@ conversion. tests/unit/test_float8_cast.py checks it bit for bit against torchao
 result is what torchao returns, ``((data,), (scale,))``, so ``fsdp_post_all_gather`` is unchanged.
 Everything else goes through the class's own method: no stored scale (the dynamic amax, whose
 all-reduce is torchao's), another class, or a tensor that is not on CUDA.
+
+[Note: a whole weight needs no amax all-reduce]
+Without a stored scale torchao's method reduces the weight's amax over the mesh: one all-reduce per
+weight per gather. Where this rank holds the whole weight (``no_shard``, whose weights are the same
+on every rank, or a group of one rank) that all-reduce returns the local amax, and torchao's
+precompute does not reach such weights (it takes DTensors only). ``whole_weight_scale`` computes
+that scale here with torchao's own ``tensor_to_amax`` and ``amax_to_scale``, so the cast is the one
+torchao's dynamic path gives, bit for bit, without a collective that ``comm_stats()`` would not see.
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["fused_float8_pre_all_gather"]
+__all__ = ["fused_float8_pre_all_gather", "scaled_pre_all_gather", "whole_weight_scale"]
 
 # Where the compiled kernel is used. Tests add "cpu" to check the same path against torchao there.
 DEVICE_TYPES: tuple = ("cuda",)
@@ -72,15 +80,39 @@ def _cast_class() -> Optional[type]:
     return WeightWithDynamicFloat8CastTensor
 
 
-def fused_float8_pre_all_gather(local: torch.Tensor, into: Optional[torch.Tensor] = None
+def whole_weight_scale(local: torch.Tensor) -> Optional[torch.Tensor]:
+    """The scale torchao's dynamic cast gives ``local`` when it is a whole weight (no stored scale),
+    computed without its amax all-reduce ([Note: a whole weight needs no amax all-reduce]); None
+    for another class or a stored scale."""
+    cls = _cast_class()
+    if cls is None or type(local) is not cls or local._precomputed_scale is not None:
+        return None
+    from torchao.float8.float8_utils import amax_to_scale, tensor_to_amax
+    with torch.no_grad():
+        return amax_to_scale(tensor_to_amax(local._tensor), local._dtype)
+
+
+def scaled_pre_all_gather(local: torch.Tensor, scale: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], Any]:
+    """torchao's ``fsdp_pre_all_gather`` with ``scale`` as the stored scale, in torchao's own eager
+    ops (where the fused kernel does not apply)."""
+    from torchao.float8.float8_training_tensor import GemmInputRole, hp_tensor_and_scale_to_float8
+    with torch.no_grad():
+        cast = hp_tensor_and_scale_to_float8(local._tensor, scale, local._dtype, local._linear_mm_config,
+                                             GemmInputRole.WEIGHT)
+    return (cast._data,), (cast._scale,)
+
+
+def fused_float8_pre_all_gather(local: torch.Tensor, into: Optional[torch.Tensor] = None,
+                                scale: Optional[torch.Tensor] = None
                                 ) -> Optional[tuple[tuple[torch.Tensor, ...], Any]]:
     """``local.fsdp_pre_all_gather``'s result computed in one kernel, or None where this does not
     apply (the caller then calls the method). ``into``: a float8 tensor of the weight's shape to
-    write the bytes into (a gather over one rank lands there directly)."""
+    write the bytes into (a gather over one rank lands there directly); ``scale``: the scale to
+    use instead of the stored one (``whole_weight_scale``)."""
     cls = _cast_class()
     if cls is None or type(local) is not cls:
         return None
-    scale, hp = local._precomputed_scale, local._tensor
+    scale, hp = (local._precomputed_scale if scale is None else scale), local._tensor
     if (type(scale) is not torch.Tensor or type(hp) is not torch.Tensor or not hp.is_contiguous()
             or hp.device.type not in DEVICE_TYPES):
         return None

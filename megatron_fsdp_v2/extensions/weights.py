@@ -35,7 +35,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from ..comm import PendingCollective
-from .float8_cast import fused_float8_pre_all_gather
+from .float8_cast import fused_float8_pre_all_gather, scaled_pre_all_gather, whole_weight_scale
 from .protocol import TensorClass, pre_all_gather
 
 __all__ = ["ExtensionWeights"]
@@ -75,15 +75,19 @@ class ExtensionWeights:
         return self.classes[index].rewrap(local)
 
     # ------------------------------------------------------------------ pre
-    def _pre(self, group, index: int, into: Optional[torch.Tensor] = None) -> tuple[list, Any]:
+    def _pre(self, group, index: int, into: Optional[torch.Tensor] = None, whole: bool = False) -> tuple[list, Any]:
         """``pre`` of parameter ``index``: torchao's float8 cast in one kernel where it applies
         (float8_cast.py, [Note: the float8 cast in one kernel]; ``into``: where its bytes may land),
-        else the class's own method."""
+        else the class's own method. ``whole``: this rank holds the whole weight, so a dynamic
+        scale needs no amax all-reduce ([Note: a whole weight needs no amax all-reduce])."""
         local = _protocol_tensor(group, index)
         shape = torch.Size(group.shapes[index])
-        fused = fused_float8_pre_all_gather(local, into)
+        scale = whole_weight_scale(local) if whole else None
+        fused = fused_float8_pre_all_gather(local, into, scale)
         if fused is not None:
             outputs, metadata = fused
+        elif scale is not None:
+            outputs, metadata = scaled_pre_all_gather(local, scale)
         else:
             with torch.no_grad():
                 outputs, metadata = pre_all_gather(local, self.mesh, shape, _contiguous_stride(shape),
@@ -100,7 +104,7 @@ class ExtensionWeights:
         group's outputs as bytes, ``post`` once it has landed."""
         if not group.strategy.optim_sharded or group.comm.size == 1:       # nothing to gather: a cast
             for index in range(len(self.classes)):
-                outputs, metadata = self._pre(group, index, into=self._landing(index))
+                outputs, metadata = self._pre(group, index, into=self._landing(index), whole=True)
                 group.comm.stats.record_scales(_tensors_in(metadata))
                 self._land(index, outputs)
                 self._post(group, index, metadata)

@@ -112,6 +112,47 @@ def test_uneven_rows_and_dynamic_scales(strategy):
     assert ours == pytest.approx(ddp, abs=1e-4)
 
 
+def collectives_worker(rank, world_size, strategy, precompute):
+    """One step after a first: every collective dispatched (c10d's, and the functional ones torchao's
+    amax all-reduce uses), against what comm_stats() counts."""
+    from tests.comm_counter import CollectiveCounter
+
+    class FunctionalToo(CollectiveCounter):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace == "_c10d_functional" and func.__name__.split(".")[0] in ("all_reduce", "all_gather_into_tensor"):
+                self.calls.append(("all_reduce" if "reduce" in func.__name__ else "all_gather", 0))
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+    model = wrap(float8_net(), strategy, bf16=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x, y = torch.randn(16, WIDTH), torch.randn(16, 1)
+    counter = FunctionalToo()
+    for step in range(2):
+        model.reset_comm_stats()
+        counter.calls.clear()
+        with counter:
+            (model(x) - y).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            if precompute:
+                torchao_float8.precompute_float8_dynamic_scale_for_fsdp(model)
+    seen = counter.summary()
+    stats = model.comm_stats()
+    return {name: (seen.get(name, (0, 0))[0], stats[name]["count"]) for name in ("all_reduce", "all_gather")}
+
+
+@pytest.mark.parametrize("strategy,world_size,precompute", [("no_shard", 2, False), ("no_shard", 2, True),
+                                                             ("optim_grads_params", 1, False)])
+def test_whole_weights_cast_without_an_amax_all_reduce(strategy, world_size, precompute):
+    """no_shard (and a group of one rank) holds whole weights, which torchao's precompute does not
+    reach: their dynamic scale is computed here, so the only collectives are those comm_stats()
+    counts (before: one amax all-reduce per float8 weight per step, uncounted). The losses stay
+    DDP's (test_every_strategy_trains_like_ddp_and_fsdp2)."""
+    for rank, counts in enumerate(run_distributed(collectives_worker, world_size, strategy, precompute)):
+        assert counts["all_reduce"][0] == counts["all_reduce"][1], (rank, counts)
+        assert counts["all_gather"] == (0, 0) or strategy != "no_shard", (rank, counts)
+
+
 @pytest.mark.parametrize("strategy", ["no_shard", "optim_grads_params"])
 def test_bf16_compute_trains_like_fsdp2(strategy):
     fsdp2 = _losses("fsdp2", steps=6, bf16=True)

@@ -12,8 +12,8 @@ For exactly that class with a stored scale, on CUDA, we compute the same bytes w
 pointwise kernel: the same float32 multiply, the same clamp and the same round-to-nearest
 conversion. tests/unit/test_float8_cast.py checks it bit for bit against torchao's own method. The
 result is what torchao returns, ``((data,), (scale,))``, so ``fsdp_post_all_gather`` is unchanged.
-Everything else goes through the class's own method: no stored scale (the dynamic amax, whose
-all-reduce is torchao's), another class, or a tensor that is not on CUDA.
+Everything else goes through the class's own method: a sharded weight with no stored scale (the
+dynamic amax, whose all-reduce is torchao's), another class, or a tensor that is not on CUDA.
 
 [Note: a whole weight needs no amax all-reduce]
 Without a stored scale torchao's method reduces the weight's amax over the mesh: one all-reduce per

@@ -8,8 +8,19 @@ without the head, then ``fully_shard`` with bf16 compute, then
 
 - every strategy trains as FSDP2 + torchao does (1e-3 over 20 steps);
 - the fused cast trains to the same losses, bit for bit, as torchao's own cast;
-- Inductor compiling each block before wrapping, or the wrapped model, trains to eager's losses
-  (1e-3).
+- Inductor compiling each block before wrapping, or the wrapped model, trains to the losses of FSDP2
+  compiled the same way (1e-3).
+
+Two things any system shows on the GPU, so both sides of a comparison share them:
+
+- compiled float8 training is not eager's to 1e-3, FSDP2's included: Inductor fuses torchao's
+  activation casts with the bf16 ops around them and rounds differently. On this model FSDP2
+  compiled is 0.005 from FSDP2 eager after 2 steps (emulated on CPU; more on the GPU). So compiled
+  runs compare with FSDP2 compiled the same way.
+- ``torch.optim.AdamW`` takes its foreach path for DTensors (FSDP2, ours' sharded strategies) and its
+  single-tensor path for torchao's weight subclass held whole (``no_shard``, as under torch DDP).
+  The two differ in the last bits, and at lr 1e-2 this model amplifies that past 1e-3 within 20
+  steps. So the comparison with FSDP2 runs both with ``foreach=False``.
 """
 
 from __future__ import annotations
@@ -37,9 +48,9 @@ def float8_world(world):
     return world
 
 
-def _train(world, strategy: str, compiled: str, fused: bool, steps: int = STEPS) -> list:
+def _train(world, strategy: str, compiled: str, fused: bool, steps: int = STEPS, foreach=None) -> list:
     """Losses, averaged over ranks; ``strategy``: ours' or "fsdp2" (torch's ``fully_shard``, bf16
-    compute, fp32 reduce); ``compiled``: "", "blocks" or "model"."""
+    compute, fp32 reduce); ``compiled``: "", "blocks" or "model"; ``foreach``: AdamW's."""
     float8_cast.DEVICE_TYPES = ("cuda",) if fused else ()
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -56,7 +67,7 @@ def _train(world, strategy: str, compiled: str, fused: bool, steps: int = STEPS)
                             mixed_precision=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
     if compiled == "model":
         model.compile()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=foreach)
     g = torch.Generator(device=world.device).manual_seed(world.rank)
     x = torch.randn(64, WIDTH, device=world.device, generator=g).bfloat16()
     y = torch.randn(64, 1, device=world.device, generator=g)
@@ -77,12 +88,17 @@ def _train(world, strategy: str, compiled: str, fused: bool, steps: int = STEPS)
 
 @pytest.fixture(scope="module")
 def fsdp2_losses(float8_world):
-    return _train(float8_world, "fsdp2", "", fused=False, steps=FSDP2_STEPS)
+    return _train(float8_world, "fsdp2", "", fused=False, steps=FSDP2_STEPS, foreach=False)
+
+
+@pytest.fixture(scope="module")
+def fsdp2_compiled_losses(float8_world):
+    return {compiled: _train(float8_world, "fsdp2", compiled, fused=False) for compiled in ("blocks", "model")}
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_every_strategy_trains_as_fsdp2_with_torchao(float8_world, fsdp2_losses, strategy):
-    losses = _train(float8_world, strategy, "", fused=True, steps=FSDP2_STEPS)
+    losses = _train(float8_world, strategy, "", fused=True, steps=FSDP2_STEPS, foreach=False)
     assert losses == pytest.approx(fsdp2_losses, abs=1e-3), (losses, fsdp2_losses)
     assert losses[-1] < 0.5 * losses[0], losses
 
@@ -97,7 +113,7 @@ def test_fused_cast_trains_as_torchao_cast(float8_world, strategy):
 
 @pytest.mark.parametrize("compiled", ["blocks", "model"])
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_compiled_training_equals_eager(float8_world, strategy, compiled):
-    eager = _train(float8_world, strategy, "", fused=True)
+def test_compiled_training_equals_fsdp2_compiled(float8_world, fsdp2_compiled_losses, strategy, compiled):
     losses = _train(float8_world, strategy, compiled, fused=True)
-    assert losses == pytest.approx(eager, abs=1e-3), (losses, eager)
+    assert losses == pytest.approx(fsdp2_compiled_losses[compiled], abs=1e-3), (losses, fsdp2_compiled_losses)
+    assert losses[-1] < 0.7 * losses[0], losses

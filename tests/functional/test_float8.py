@@ -11,12 +11,14 @@ without the head, then ``fully_shard`` with bf16 compute, then
 - Inductor compiling each block before wrapping, or the wrapped model, trains to the losses of FSDP2
   compiled the same way (1e-3).
 
-Two things any system shows on the GPU, so both sides of a comparison share them:
+Two effects that are not the wrapper's, so both sides of each comparison share them:
 
 - compiled float8 training is not eager's to 1e-3, FSDP2's included: Inductor fuses torchao's
   activation casts with the bf16 ops around them and rounds differently. On this model FSDP2
-  compiled is 0.005 from FSDP2 eager after 2 steps (emulated on CPU; more on the GPU). So compiled
-  runs compare with FSDP2 compiled the same way.
+  compiled is 0.005 from FSDP2 eager after 2 steps (emulated on CPU, one rank; ours compiled equals
+  FSDP2 compiled there bit for bit). On the GPU ours compiled was 0.019 from eager within 6 steps,
+  the same for every strategy (FSDP2 not yet measured there). So compiled runs compare with FSDP2
+  compiled the same way.
 - ``torch.optim.AdamW`` takes its foreach path for DTensors (FSDP2, ours' sharded strategies) and its
   single-tensor path for torchao's weight subclass held whole (``no_shard``, as under torch DDP).
   On the GPU, ``no_shard`` with the default AdamW was 0.0042 from FSDP2 within 20 steps while the

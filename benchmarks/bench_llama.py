@@ -65,8 +65,7 @@ for _path in (REPO, HERE):              # megatron_fsdp_v2 and tests/ from this 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from tests.comm_counter import _OPS as _C10D_OPS  # noqa: E402
-from tests.comm_counter import CollectiveCounter  # noqa: E402
+from tests.comm_counter import EveryCollectiveCounter  # noqa: E402
 
 # bench_gpt's release of the autograd-hook cycles that keep a finished (or half-built) system alive
 from bench_systems import release_autograd_hooks, release_leftover_models  # noqa: E402
@@ -129,81 +128,6 @@ def select_systems(spec: str, strategies) -> List[System]:
         chosen += [s for s in matches if s not in chosen]
     order = {s.name: i for i, s in enumerate(everything)}
     return sorted(chosen, key=lambda s: order[s.name])
-
-
-# =============================================================================================
-# Counting collectives (tests/comm_counter.py's dispatch mode, with the list and functional ops)
-# =============================================================================================
-
-
-def _nbytes(t) -> int:
-    if isinstance(t, (list, tuple)):
-        return sum(_nbytes(x) for x in t)
-    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
-
-
-class StepCollectives(CollectiveCounter):
-    """``CollectiveCounter`` (flat c10d collectives, as the CPU tests count them) plus the list
-    forms (``dist.all_gather``, ``dist.reduce_scatter``), the coalesced ones and the functional
-    ``_c10d_functional`` ops (DTensor redistributes, e.g. torchao's precompute all-reduce; FSDP2
-    under compiled autograd). ``ignore_compile_internals``: torch.compile keeps compiling while
-    it counts (a plain dispatch mode makes dynamo skip every frame it would compile)."""
-
-    _EXTRA = {   # op -> (collective, index of the counted buffer(s), multiplier index or None)
-        "c10d.allgather_.default": ("all_gather", 0, None),                      # ([[out]], [in], group)
-        "c10d.allgather_coalesced_.default": ("all_gather", 0, None),
-        "c10d.allgather_into_tensor_coalesced_.default": ("all_gather", 0, None),  # ([out], [in], group)
-        "c10d.reduce_scatter_.default": ("reduce_scatter", 1, None),             # ([out], [[in]], group)
-        "c10d.reduce_scatter_tensor_coalesced_.default": ("reduce_scatter", 1, None),
-        "c10d.allreduce_coalesced_.default": ("all_reduce", 0, None),
-        "_c10d_functional.all_gather_into_tensor.default": ("all_gather", 0, 1),   # (in, group_size, name)
-        "_c10d_functional.all_gather_into_tensor_out.default": ("all_gather", 0, 1),
-        "_c10d_functional.all_gather_into_tensor_coalesced.default": ("all_gather", 0, 1),
-        "_c10d_functional.reduce_scatter_tensor.default": ("reduce_scatter", 0, None),
-        "_c10d_functional.reduce_scatter_tensor_coalesced.default": ("reduce_scatter", 0, None),
-        "_c10d_functional.all_reduce.default": ("all_reduce", 0, None),
-        "_c10d_functional.all_reduce_.default": ("all_reduce", 0, None),
-        "_c10d_functional.all_reduce_coalesced.default": ("all_reduce", 0, None),
-        "_c10d_functional.all_reduce_coalesced_.default": ("all_reduce", 0, None),
-        "_c10d_functional.broadcast.default": ("broadcast", 0, None),
-        "_c10d_functional.broadcast_.default": ("broadcast", 0, None),
-    }
-    _IGNORED = ("_c10d_functional.wait_tensor.default", "_c10d_functional._wrap_tensor_autograd.default",
-                "c10d.barrier.default", "c10d.monitored_barrier_.default")
-
-    def __init__(self, group=None) -> None:
-        super().__init__(group)
-        self.gathered_by_dtype: Dict[str, int] = {}   # all-gather bytes by the dtype that travels
-
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        return True
-
-    def _note_dtype(self, buffers, nbytes: int) -> None:
-        first = buffers
-        while isinstance(first, (list, tuple)):
-            first = first[0]
-        name = str(first.dtype).replace("torch.", "")
-        self.gathered_by_dtype[name] = self.gathered_by_dtype.get(name, 0) + nbytes
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace in ("c10d", "_c10d_functional"):
-            name = str(func)
-            if name in _C10D_OPS:
-                before = len(self.calls)
-                out = super().__torch_dispatch__(func, types, args, kwargs)
-                if len(self.calls) > before and self.calls[-1][0] == "all_gather":
-                    self._note_dtype(args[_C10D_OPS[name][1]], self.calls[-1][1])
-                return out
-            if name in self._EXTRA:
-                kind, index, mult = self._EXTRA[name]
-                nbytes = _nbytes(args[index]) * (int(args[mult]) if mult is not None else 1)
-                self.calls.append((kind, nbytes))
-                if kind == "all_gather":
-                    self._note_dtype(args[index], nbytes)
-            elif name not in self._IGNORED:
-                self.calls.append((f"unexpected {name}", 0))
-        return func(*args, **(kwargs or {}))
 
 
 # =============================================================================================
@@ -451,7 +375,7 @@ def run_system(ctx: Ctx, system: System) -> Dict[str, Any]:
         for i in range(a.steps):
             stage = f"step {i}"
             counted = i == a.warmup - 1            # the last warm-up step: compiled already (warm-up >= 2)
-            counter = StepCollectives() if counted else contextlib.nullcontext()
+            counter = EveryCollectiveCounter() if counted else contextlib.nullcontext()
             if counted and has_comm_stats:
                 model.reset_comm_stats()
             gb0 = _graph_breaks()

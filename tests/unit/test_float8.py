@@ -115,18 +115,12 @@ def test_uneven_rows_and_dynamic_scales(strategy):
 def collectives_worker(rank, world_size, strategy, precompute):
     """One step after a first: every collective dispatched (c10d's, and the functional ones torchao's
     amax all-reduce uses), against what comm_stats() counts."""
-    from tests.comm_counter import CollectiveCounter
-
-    class FunctionalToo(CollectiveCounter):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.namespace == "_c10d_functional" and func.__name__.split(".")[0] in ("all_reduce", "all_gather_into_tensor"):
-                self.calls.append(("all_reduce" if "reduce" in func.__name__ else "all_gather", 0))
-            return super().__torch_dispatch__(func, types, args, kwargs)
+    from tests.comm_counter import EveryCollectiveCounter
 
     model = wrap(float8_net(), strategy, bf16=False)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     x, y = torch.randn(16, WIDTH), torch.randn(16, 1)
-    counter = FunctionalToo()
+    counter = EveryCollectiveCounter()
     for step in range(2):
         model.reset_comm_stats()
         counter.calls.clear()

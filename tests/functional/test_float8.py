@@ -14,17 +14,16 @@ without the head, then ``fully_shard`` with bf16 compute, then
 Two effects that are not the wrapper's, so both sides of each comparison share them:
 
 - compiled float8 training is not eager's to 1e-3, FSDP2's included: Inductor fuses torchao's
-  activation casts with the bf16 ops around them and rounds differently. On this model FSDP2
-  compiled is 0.005 from FSDP2 eager after 2 steps (emulated on CPU, one rank; ours compiled equals
-  FSDP2 compiled there bit for bit). On the GPU ours compiled was 0.019 from eager within 6 steps,
-  the same for every strategy (FSDP2 not yet measured there). So compiled runs compare with FSDP2
-  compiled the same way.
-- ``torch.optim.AdamW`` takes its foreach path for DTensors (FSDP2, ours' sharded strategies) and its
-  single-tensor path for torchao's weight subclass held whole (``no_shard``, as under torch DDP).
-  On the GPU, ``no_shard`` with the default AdamW was 0.0042 from FSDP2 within 20 steps while the
-  sharded strategies matched; the two paths differing in the last bits, amplified by lr 1e-2 on
-  this model, is the explanation we hold (not yet confirmed on the GPU). So the comparison with
-  FSDP2 runs both with ``foreach=False``.
+  activation casts with the bf16 ops around them and rounds differently. On the GPU (one H100,
+  benchmarks/results/2026-12-07b/) FSDP2 compiled is 0.019 from FSDP2 eager within 20 steps, and
+  ours compiled equals FSDP2 compiled bit for bit. So compiled runs compare with FSDP2 compiled the
+  same way (the eager-equality check runs on CPU under ``aot_eager``, tests/unit/test_float8.py).
+- ``torch.optim.AdamW`` takes its foreach path only when every parameter is a plain tensor, a
+  Parameter or a DTensor (FSDP2, ours' sharded strategies); torchao's weight subclass held whole
+  (``no_shard``, as under torch DDP) sends it down the single-tensor path. On the GPU the two paths
+  part in the last bits, which lr 1e-2 on this model amplifies: FSDP2 foreach against FSDP2
+  single-tensor is 0.0042 apart within 20 steps, and ``no_shard`` equals FSDP2 single-tensor bit
+  for bit (same run). So the comparison with FSDP2 runs both with ``foreach=False``.
 """
 
 from __future__ import annotations

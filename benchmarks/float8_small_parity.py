@@ -8,7 +8,7 @@ single-tensor path (torchao's weight subclass held whole, ``no_shard``), and Ind
     python3 benchmarks/float8_small_parity.py --json $OUT/float8_small_parity.json   # GPU: nccl, real float8
     python benchmarks/float8_small_parity.py --steps 2                                # CPU: gloo, emulated
 
-Results and why: benchmarks/results/2026-12-07/README.md.
+Results and why: benchmarks/results/2026-12-07b/README.md (GPU), benchmarks/results/2026-12-07/README.md (why it exists).
 """
 from __future__ import annotations
 

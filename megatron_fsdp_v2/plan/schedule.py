@@ -183,7 +183,7 @@ def _backward(trace: _Trace, units: list, strategy: ShardingStrategy, reduces: b
     trace.mark("previous_unit_grads")         # (or one unit only)
     if reduces or strategy.reduce_every_microbatch:
         for group in root_grads:
-            if sharded and len(root.groups) > 1:
+            if sharded:                       # its gradients are complete: resharded before it reduces
                 trace.free((group.tag, "model_weights"))
             reducer.reduce(group)
     reducer.wait()

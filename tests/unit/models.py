@@ -73,6 +73,21 @@ class EdgeNet(nn.Module):
         return self.out(self.block(h)) / self.temperature
 
 
+class HeadNet(nn.Module):
+    """A token model whose root (an embedding and an output layer, untied) outweighs its one Block:
+    ZeRO-3's root gradients reduce at the end of backward, where the root's gathered weights and its
+    reduce input could meet."""
+
+    def __init__(self, vocab: int = 96, width: int = 8) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, width)
+        self.block = Block(width, 5)
+        self.out = nn.Linear(width, vocab, bias=False)
+
+    def forward(self, tokens):
+        return self.out(self.block(self.emb(tokens)))
+
+
 def make_token_batches(seed: int, rank: int, count: int, batch: int = 3, seq: int = 5, vocab: int = 11):
     g = torch.Generator().manual_seed(seed * 1000 + rank)
     return [(torch.randint(0, vocab, (batch, seq), generator=g), torch.randint(0, vocab, (batch, seq), generator=g))

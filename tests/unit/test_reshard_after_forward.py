@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from megatron_fsdp_v2 import fully_shard
+from megatron_fsdp_v2 import MixedPrecisionPolicy, fully_shard
 
 from .dist_utils import run_distributed
 from .models import Block, UnevenNet
@@ -144,3 +144,41 @@ def test_a_step_after_a_forward_without_backward_gives_kept_units_the_new_weight
     for rule in (None, False):
         for want, got in zip(run_distributed(_stale_worker, 2, True), run_distributed(_stale_worker, 2, rule)):
             assert torch.equal(want, got), rule
+
+
+def _root_heavy_worker(rank, world_size, rule):
+    """ZeRO-3 on a model whose root outweighs its unit: the allocator's peak over the second step."""
+    from .models import HeadNet, make_token_batches
+
+    torch.manual_seed(0)
+    model = fully_shard(HeadNet(), sharding_strategy=ZERO3, unit_modules=[Block], reshard_after_forward=rule,
+                        mixed_precision=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    alloc = model._fsdp_engine.allocator
+    for step in range(2):
+        alloc.reset_peak()
+        tokens, target = make_token_batches(step, rank, 1, vocab=96)[0]
+        logits = model(tokens)
+        nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1)).backward()
+        opt.step()
+        opt.zero_grad()
+    return alloc.peak_live_bytes
+
+
+@pytest.mark.parametrize("rule", [True, None])
+def test_the_root_reshards_before_its_gradients_reduce(rule):
+    """As FSDP2's post-backward: the root's weights are freed once its gradients are complete, so
+    its bf16 weights never meet its fp32 reduce input. The peak is then the root's gather (the
+    rank-major buffer and the natural one, bf16 each), or its reduce input: both twice the root's
+    bf16 bytes. Were the weights kept through the reduce, it would be three times."""
+    from megatron_fsdp_v2 import plan
+
+    from .models import HeadNet
+
+    with torch.device("meta"):
+        planned = plan(HeadNet(), ZERO3, world_size=2, unit_modules=[Block], optimizer="adamw", micro_batches=1,
+                       device="cpu", reshard_after_forward=rule,
+                       mixed_precision=MixedPrecisionPolicy(param_dtype=torch.bfloat16))[ZERO3]
+    root_bf16_bytes = (96 * 8 * 2) * 2
+    for peak in run_distributed(_root_heavy_worker, 2, rule):
+        assert peak == planned.temporaries["storage_freeing"] == 2 * root_bf16_bytes

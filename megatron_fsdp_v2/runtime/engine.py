@@ -14,12 +14,12 @@
                      forward order.
   param grad ready   DDP/ZeRO-1: add it to the group's full-size grad buffer; ZeRO-2/3: hold it
                      (group/unreduced_grads.py). When the whole group is ready and this micro-batch
-                     reduces, ZeRO-3 reshards it (the unit, once all its groups are done; the root
-                     too, as FSDP2 reshards before it reduces), then reduces it (async); a root
-                     group only if that frees memory.
-  end of backward    reshard (ZeRO-3), then reduce groups still holding gradients (unused
-                     parameters; deferred root groups), wait for every reduce, point the
-                     optimizer-facing ``.grad`` at the reduced shard.
+                     reduces, ZeRO-3 reshards it (a unit once all its groups are done; a root
+                     group at once, as FSDP2 reshards before it reduces), then reduces it (async);
+                     a root group only if that frees memory.
+  end of backward    reduce groups still holding gradients (unused parameters; deferred root
+                     groups), wait for every reduce, point the optimizer-facing ``.grad`` at the
+                     reduced shard, reshard.
 
 [Note: bounds on temporary buffers]
   When a group's first gradient of a backward arrives, and before a reduce is issued, the engine
@@ -354,15 +354,17 @@ class Engine:
         if self.backward_pass.reduces and group.all_grads_ready():
             # Reshard first: the unit's weights are done, and their memory is then free for the
             # reduce's dtype cast (keeps ZeRO-3 backward within 2 weight buffers + 1 grad buffer).
-            # The root too, as FSDP2 reshards before it reduces: a group whose gradients are
-            # complete is done with its weights (autograd calls a leaf's hook once, after all its
-            # uses), so the root's weights, gathered through backward, need not meet its reduce
-            # input; with reduce_root_per_child a GPT's output layer frees its weights at the start
-            # of backward. A saved weight unpacked later would gather it again (pre_backward.py).
             others_done = all(g is group or not any(g.trainable) or g.reduced_this_backward for g in unit.groups)
-            if self.strategy.weights_sharded and others_done:
+            if self.strategy.weights_sharded and not unit.is_root and others_done:
                 unit.reshard()
             elif self.strategy.weights_sharded and unit.is_root:
+                # The root stays gathered through backward, but a group of it whose gradients are
+                # complete is done (autograd calls a leaf's hook once, after all its uses): its
+                # weights need not meet its reduce input (FSDP2 too reshards before it reduces), and
+                # with reduce_root_per_child a GPT's output layer frees its weights at the start of
+                # backward. The root's frozen groups stay gathered to the end of backward, where a
+                # late use may still read them; a saved weight unpacked later would gather it again
+                # (pre_backward.py).
                 group.reshard()
             if unit.is_root and not group.reduce_frees_memory:
                 return          # the end of backward reduces it, once the activations are gone
@@ -413,9 +415,6 @@ class Engine:
 
     def _post_backward_final(self) -> None:
         backward, self.backward_pass = self.backward_pass, None
-        if self.strategy.weights_sharded:         # first: the weights' memory is free for the reduce inputs
-            for unit in self.units:
-                unit.reshard()
         if backward.reduces:
             for group in self.groups:
                 if group.has_unreduced_grads:
@@ -424,6 +423,9 @@ class Engine:
             if self.requires_gradient_sync:       # under no_sync() the outer all-reduce waits for the last
                 self._reduce_across_replicas()
             self._attach_main_grads()
+        if self.strategy.weights_sharded:
+            for unit in self.units:
+                unit.reshard()
         self.phase.enter(Phase.IDLE)
         self.param_slots.hold_main()
         if backward.reduces:

@@ -182,3 +182,57 @@ def test_the_root_reshards_before_its_gradients_reduce(rule):
     root_bf16_bytes = (96 * 8 * 2) * 2
     for peak in run_distributed(_root_heavy_worker, 2, rule):
         assert peak == planned.temporaries["storage_freeing"] == 2 * root_bf16_bytes
+
+
+class _FrozenInsideRoot(nn.Module):
+    """The root's trainable weights (``head``) get their gradients first in backward; the root's
+    frozen ``mid`` is used between two units, so its backward, later, reads ``mid``'s weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = Block(6, 5)
+        self.mid = nn.Linear(6, 6)
+        self.mid.requires_grad_(False)
+        self.second = Block(6, 5)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.head(self.second(torch.tanh(self.mid(self.first(x)))))
+
+
+def _frozen_root_worker(rank, world_size, strategy):
+    torch.manual_seed(0)
+    model = fully_shard(_FrozenInsideRoot(), sharding_strategy=strategy, unit_modules=[Block])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        model.reset_comm_stats()
+        x, y = torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)
+        loss = (model(x) - y).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    first = [p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach().clone()
+             for p in model.first.parameters()]
+    return losses, first, model.comm_stats()["all_gather"]
+
+
+def test_the_root_frozen_weights_stay_gathered_through_backward():
+    """The root's trainable group reshards once its gradients are complete; its frozen group stays
+    gathered to the end of backward, where ``mid``'s backward still reads it: no second gather (the
+    plan's count) and the same training as no_shard."""
+    from megatron_fsdp_v2 import plan
+
+    with torch.device("meta"):
+        planned = plan(_FrozenInsideRoot(), ZERO3, world_size=2, unit_modules=[Block], optimizer="sgd",
+                       micro_batches=1, device="cpu")[ZERO3]
+    want = run_distributed(_frozen_root_worker, 2, "no_shard")
+    got = run_distributed(_frozen_root_worker, 2, ZERO3)
+    for (want_losses, want_first, _), (got_losses, got_first, gathers) in zip(want, got):
+        assert gathers == planned.comm["all_gather"]
+        assert gathers["count"] == 8          # forward and backward: the root's 2 groups and 2 units
+        assert got_losses == pytest.approx(want_losses, rel=1e-6, abs=1e-7)
+        for a, b in zip(want_first, got_first):
+            torch.testing.assert_close(b.reshape(a.shape), a, rtol=1e-5, atol=1e-6)   # (a 0-d weight shows as [1])

@@ -14,9 +14,8 @@
                      forward order.
   param grad ready   DDP/ZeRO-1: add it to the group's full-size grad buffer; ZeRO-2/3: hold it
                      (group/unreduced_grads.py). When the whole group is ready and this micro-batch
-                     reduces, ZeRO-3 reshards it (a unit once all its groups are done; a root
-                     group at once, as FSDP2 reshards before it reduces), then reduces it (async);
-                     a root group only if that frees memory.
+                     reduces, ZeRO-3 reshards it (its unit once all are done; a root group at
+                     once, as FSDP2), then reduces it (async); a root group only if that frees memory.
   end of backward    reduce groups still holding gradients (unused parameters; deferred root
                      groups), wait for every reduce, point the optimizer-facing ``.grad`` at the
                      reduced shard, reshard.
@@ -358,13 +357,10 @@ class Engine:
             if self.strategy.weights_sharded and not unit.is_root and others_done:
                 unit.reshard()
             elif self.strategy.weights_sharded and unit.is_root:
-                # The root stays gathered through backward, but a group of it whose gradients are
-                # complete is done (autograd calls a leaf's hook once, after all its uses): its
-                # weights need not meet its reduce input (FSDP2 too reshards before it reduces), and
-                # with reduce_root_per_child a GPT's output layer frees its weights at the start of
-                # backward. The root's frozen groups stay gathered to the end of backward, where a
-                # late use may still read them; a saved weight unpacked later would gather it again
-                # (pre_backward.py).
+                # A root group with all its gradients is done (autograd calls a leaf's hook once,
+                # after all its uses): freed before its reduce input is made, as in FSDP2. Frozen
+                # root groups stay gathered to the end of backward (pre_backward.py: a saved weight
+                # unpacked later gathers again).
                 group.reshard()
             if unit.is_root and not group.reduce_frees_memory:
                 return          # the end of backward reduces it, once the activations are gone

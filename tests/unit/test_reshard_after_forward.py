@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.nn as nn
 
-from megatron_fsdp_v2 import MixedPrecisionPolicy, fully_shard
+from megatron_fsdp_v2 import MixedPrecisionPolicy, fully_shard, plan
 
 from .dist_utils import run_distributed
-from .models import Block, UnevenNet
+from .models import Block, HeadNet, UnevenNet, make_token_batches
 from .test_plan import K, MODELS, _measure, _planned
 
 RULES = (True, None, False)
@@ -148,8 +148,6 @@ def test_a_step_after_a_forward_without_backward_gives_kept_units_the_new_weight
 
 def _root_heavy_worker(rank, world_size, rule):
     """ZeRO-3 on a model whose root outweighs its unit: the allocator's peak over the second step."""
-    from .models import HeadNet, make_token_batches
-
     torch.manual_seed(0)
     model = fully_shard(HeadNet(), sharding_strategy=ZERO3, unit_modules=[Block], reshard_after_forward=rule,
                         mixed_precision=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
@@ -171,10 +169,6 @@ def test_the_root_reshards_before_its_gradients_reduce(rule):
     its bf16 weights never meet its fp32 reduce input. The peak is then the root's gather (the
     rank-major buffer and the natural one, bf16 each), or its reduce input: both twice the root's
     bf16 bytes. Were the weights kept through the reduce, it would be three times."""
-    from megatron_fsdp_v2 import plan
-
-    from .models import HeadNet
-
     with torch.device("meta"):
         planned = plan(HeadNet(), ZERO3, world_size=2, unit_modules=[Block], optimizer="adamw", micro_batches=1,
                        device="cpu", reshard_after_forward=rule,
@@ -223,8 +217,6 @@ def test_the_root_frozen_weights_stay_gathered_through_backward():
     """The root's trainable group reshards once its gradients are complete; its frozen group stays
     gathered to the end of backward, where ``mid``'s backward still reads it: no second gather (the
     plan's count) and the same training as no_shard."""
-    from megatron_fsdp_v2 import plan
-
     with torch.device("meta"):
         planned = plan(_FrozenInsideRoot(), ZERO3, world_size=2, unit_modules=[Block], optimizer="sgd",
                        micro_batches=1, device="cpu")[ZERO3]

@@ -14,6 +14,7 @@ TORCH_PY := $(TORCH_VENV)/bin/python
 # images, and not again on 2.14.1, where DCP stays covered by test_torch_like_params and the
 # command-line saves and loads (CI's 30 min: .ci/run). `TORCH_OMIT_$(TORCH_VERSION)=` runs them there too.
 TORCH_OMIT_2.14.1 ?= tests/unit/test_megatron_checkpoint.py tests/unit/test_megatron_distopt_checkpoint.py \
+	tests/unit/test_megatron_async_save.py \
 	tests/unit/test_megatron_fsdp_dtensor_checkpoint.py tests/unit/test_megatron_model_parallel.py
 TORCH_TESTS ?= $(filter-out $(TORCH_OMIT_$(TORCH_VERSION)),tests/unit/test_tensor_fidelity.py tests/unit/test_parity.py \
 	$(wildcard tests/unit/test_megatron_*.py) tests/unit/test_torch_like_params.py \

@@ -15,7 +15,7 @@ setup(
         "test": ["pytest", "hypothesis", "torchao>=0.18", "transformers"],
         "te": ["transformer-engine"],
         # transformers: benchmarks/bench_llama.py's LlamaForCausalLM
-        "bench": ["matplotlib", "transformers"],
+        "bench": ["transformers"],
         # torchao float8 training (benchmarks/bench_llama.py's fp8 systems, issue 47)
         "float8": ["torchao>=0.18"],
         # Megatron's --optimizer muon (megatron_fsdp_v2/megatron/muon.py); megatron_fsdp_v2.optim.Muon needs torch only

@@ -15,8 +15,9 @@ A step is forward + backward of one micro-batch, the optimizer step and ``zero_g
 per system: median step time over ``--steps`` timed steps (after ``--warmup`` untimed ones),
 tokens/s, peak ``torch.cuda.max_memory_allocated`` during training, and the memory a rank keeps
 between steps (after ``optimizer.step()``, and after ``zero_grad``) next to the ZeRO formula.
-Results go to benchmarks/results/<today>/ by default (--out / --json / --png); that directory's
-README.md should give the command of each file. See docs/benchmarks.md.
+Results go to benchmarks/results/<today>/ by default (--out / --json); that directory's
+README.md should give the command of each file. Numbers: docs/benchmarks.md; what each column
+means: docs/benchmarks_history.md, "What is measured".
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ import torch.distributed as dist  # noqa: E402
 
 T_START = time.perf_counter()
 
-# The process (bench_setup) and the systems (bench_systems); names re-exported for profile_step.py.
+# The process (bench_setup), the systems (bench_systems) and CPU offload's side (bench_offload).
 from bench_setup import (Ctx, allocated, build_gpt, cleanup, count_params, init_distributed,  # noqa: E402
                          finish_process, prepare_process, sync)
 from bench_systems import (BUILDERS, GIB, OFFLOAD_OPTIONS, STRATEGIES, ZERO_NAME, Built, System,  # noqa: E402
@@ -373,10 +374,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g = p.add_argument_group("output (rank 0 only)")
     g.add_argument("--out", default=None, help="markdown table (default benchmarks/results/<today>/"
                    "benchmarks_results<SUFFIX>.md, SUFFIX = '' / _fake<N> / _<N>gpu by mode; '' = do not write)")
-    g.add_argument("--json", default=None, help="JSON results for plot.py (default benchmarks/results/<today>/"
+    g.add_argument("--json", default=None, help="JSON results (default benchmarks/results/<today>/"
                    "benchmarks_results<SUFFIX>.json; '' = skip)")
-    g.add_argument("--png", default=None, help="bar chart (default benchmarks/results/<today>/benchmarks<SUFFIX>.png; "
-                   "needs matplotlib; '' = skip)")
     args = p.parse_args(argv)
     try:
         args.offload_fractions = tuple(float(t) for t in args.offload_fractions.split(",") if t.strip())
@@ -414,8 +413,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.out = str(results_dir / f"benchmarks_results{suffix}.md")
     if args.json is None:
         args.json = str(results_dir / f"benchmarks_results{suffix}.json")
-    if args.png is None:
-        args.png = str(results_dir / f"benchmarks{suffix}.png")
     return args
 
 
@@ -447,8 +444,7 @@ def quiet_libraries(verbose: bool) -> None:
 
 
 def write_outputs(ctx: Ctx, meta, results, final: bool = True) -> None:
-    """Markdown + JSON (rewritten after every system, so a run cut short still leaves its
-    results), and at the end the PNG."""
+    """Markdown + JSON, rewritten after every system, so a run cut short still leaves its results."""
     a = ctx.args
     meta = dict(meta, complete=final)
     md = results_markdown(meta, results)
@@ -469,19 +465,6 @@ def write_outputs(ctx: Ctx, meta, results, final: bool = True) -> None:
             json.dump({"meta": meta, "results": slim}, f, indent=1)
         if final:
             print(f"wrote {a.json}")
-    if a.png and final:
-        try:
-            import importlib.util
-
-            spec = importlib.util.spec_from_file_location("bench_plot", HERE / "plot.py")
-            plot = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(plot)
-            Path(a.png).parent.mkdir(parents=True, exist_ok=True)
-            plot.make_png([{"meta": meta, "results": results}], a.png)
-            print(f"wrote {a.png}")
-        except ImportError as exc:
-            print(f"no PNG ({exc}); make it elsewhere: python benchmarks/plot.py {a.json or '<results.json>'} "
-                  f"--png {a.png}")
 
 
 def main(argv=None) -> int:

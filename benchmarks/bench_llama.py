@@ -30,7 +30,8 @@ after the last of ``--steps`` steps, all-gather bytes per step (every c10d or fu
 collective seen by a dispatch mode on the last warm-up step; ours also by its own
 ``comm_stats()``), and dynamo graph breaks (``torch._dynamo.utils.counters["graph_break"]``, in
 total and per step). A system that raises is recorded with its error and the run goes on; the
-script exits non-zero only on its own bugs. See docs/benchmarks.md, "HF Llama, float8 and compile".
+script exits non-zero only on its own bugs. Numbers and commands: docs/benchmarks.md; the method in
+detail: docs/benchmarks_history.md, "HF Llama, float8 and compile".
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """CPU offload in bench_gpt.py: the host memory each offload system needs (checked before it is
 built, so a size the host cannot hold is an out-of-memory row, not a process the kernel kills),
 the search for the smallest fraction that trains (``--offload-search STEP``), the host's threads,
-and issue 31's goals for the table's notes. See docs/benchmarks.md, "CPU offload by fraction".
+and issue 31's goals for the table's notes. See docs/benchmarks_history.md, "CPU offload by fraction".
 """
 
 from __future__ import annotations

@@ -152,39 +152,28 @@ def global_buffer_bytes() -> int:
 # =============================================================================================
 
 
-#: Megatron's full activation recompute, one layer per recompute unit (``args.recompute``).
-FULL_RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-
-
 def build_gpt(ctx: Ctx, params_dtype: torch.dtype, bf16: bool = True):
-    """The GPT of ``ctx.args``. Two optional switches (absent from bench_gpt.py's arguments, so
-    off there): ``args.recompute`` (``FULL_RECOMPUTE``) and ``args.meta_init``: built under
-    ``torch.device("meta")`` with ``init_model_with_meta_device=True``, as Megatron-LM's
-    ``--init-model-with-meta-device`` does; the wrapper then materializes and initializes it."""
+    """The GPT of ``ctx.args``, on the device, from one seed (every system from the same weights)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from testing.cpu_compat import UNFUSED_KERNELS
     from testing.megatron_gpt import local_gpt
 
     a = ctx.args
-    meta = bool(getattr(a, "meta_init", False))
     config = TransformerConfig(
         num_layers=a.layers,
         hidden_size=a.hidden,
         num_attention_heads=a.heads,
         ffn_hidden_size=a.ffn or 4 * a.hidden,
-        # Build straight on the GPU: CPU initialisation of ~1B parameters takes minutes. On meta:
-        # the CPU path, whose factories take no device= and so follow the meta device context.
-        use_cpu_initialization=meta or not ctx.is_cuda,
-        perform_initialization=not (a.skip_init or meta),
-        init_model_with_meta_device=meta,
+        # Build straight on the GPU: CPU initialisation of ~1B parameters takes minutes.
+        use_cpu_initialization=not ctx.is_cuda,
+        perform_initialization=not a.skip_init,
         params_dtype=params_dtype,
         bf16=bf16,                      # same attention-softmax precision for every system
         hidden_dropout=0.0,
         attention_dropout=0.0,
         # No TE/apex on the benchmark box: keep every kernel plain PyTorch, for every system alike.
         **UNFUSED_KERNELS,
-        **(FULL_RECOMPUTE if getattr(a, "recompute", False) else {}),
     )
     # every system from the same weights (Megatron draws its linear layers' from the tracker's
     # CUDA generator, which an earlier system's build consumed): losses compare across systems
@@ -192,12 +181,9 @@ def build_gpt(ctx: Ctx, params_dtype: torch.dtype, bf16: bool = True):
 
     torch.manual_seed(1234)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
-    with torch.device("meta") if meta else contextlib.nullcontext():
-        model = local_gpt(config, a.vocab, a.seq, share_embeddings=False)
-    if not meta:
-        # A few torch.nn modules (position embedding, norms) are created on CPU whatever the flag.
-        model = model.to(ctx.device)
-    return model, config
+    model = local_gpt(config, a.vocab, a.seq, share_embeddings=False)
+    # A few torch.nn modules (position embedding, norms) are created on CPU whatever the flag.
+    return model.to(ctx.device), config
 
 
 def count_params(model: torch.nn.Module) -> int:

@@ -29,14 +29,12 @@ library itself), so the script puts the repository root on ``sys.path``.
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import shutil
 import socket
 import sys
 import tempfile
 import time
-import warnings
 from pathlib import Path
 from typing import Dict, List
 
@@ -48,6 +46,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from megatron_fsdp_v2 import STRATEGY_NAMES  # noqa: E402
+from megatron_fsdp_v2.notices import summarize_notices  # noqa: E402
 from testing.megatron_gpt import local_gpt, megatron_train_step, tiny_cpu_config  # noqa: E402
 
 ZERO_NAMES = {"no_shard": "DDP", "optim": "ZeRO-1", "optim_grads": "ZeRO-2", "optim_grads_params": "ZeRO-3"}
@@ -69,6 +68,8 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--clip-grad", type=float, default=1.0)
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--verbose", action="store_true",
+                   help="show each notice Megatron and torch print (default: one line per kind that needs no action)")
     args = p.parse_args(argv)
     if args.nproc < 1 or args.iters < 1 or args.micro_batches < 1:
         p.error("--nproc, --iters and --micro-batches must be positive")
@@ -224,52 +225,57 @@ def _zero_theory(strategy: str, k: int, n: int) -> tuple:
     return moved, per_param / 4   # persistent in units of Psi = 4 bytes x params
 
 
+def _row(r: dict, ref: dict, ref_norm: float, opts, world: int) -> str:
+    """One run's line of the table: loss, distance to the reference, bytes moved and kept vs ZeRO."""
+    psi, mb = 4 * ref["numel"], 1 / 2 ** 20
+    dw = sum((r["state"][key] - ref["state"][key]).double().pow(2).sum().item() for key in ref["state"]) ** 0.5
+    if r["comm"] is None:
+        moved, ratio, theory_moved, theory_kept = "-", "-", 2, 4 * psi * mb
+    else:
+        c = r["comm"]
+        per_step = (2 * c["all_reduce"]["bytes"] + c["reduce_scatter"]["bytes"] + c["all_gather"]["bytes"]) / opts.iters
+        theory_moved, theory_kept = _zero_theory(r["strategy"], opts.micro_batches, world)
+        moved, ratio, theory_kept = f"{per_step * mb:.2f}MB", f"{per_step / psi:.3f}", theory_kept * psi * mb
+    return (f"{r['label']:<29}{r['losses'][-1]:>10.5f}{dw / ref_norm:>10.1e}{moved:>12}{ratio:>7}{theory_moved:>6}"
+            f"{(r['persistent'] + r['adam']) * mb:>10.2f}MB{theory_kept:>7.2f}MB")
+
+
+def _heading(opts, world: int) -> str:
+    return (f"Training a {opts.layers}-layer GPT (hidden {opts.hidden}, vocab {opts.vocab}, seq {opts.seq}) on "
+            f"{world} gloo rank(s),\n{opts.iters} steps x {opts.micro_batches} micro-batches per run:")
+
+
+def _round_trips(rows: List[dict]) -> List[str]:
+    """Each run's checkpoint loaded into the next strategy: how many came back bitwise, and which not."""
+    differs = [f"{r['strategy']} -> {r['reloaded'][0]}" for r in rows if "reloaded" in r and not (
+        all(torch.equal(r["reloaded"][1][key], r["state"][key]) for key in r["state"]) and r["reloaded"][2] == r["step"])]
+    trips = [r for r in rows if "reloaded" in r]
+    chain = " -> ".join([trips[0]["strategy"]] + [r["reloaded"][0] for r in trips]) if trips else ""
+    return [f"checkpoint round trips: {len(trips) - len(differs)} of {len(trips)} bitwise ({chain})"] + \
+        [f"  DIFFERS: {pair}" for pair in differs]
+
+
 def _table(rows: List[dict], opts, world: int) -> str:
+    """The demo's table, at most 100 columns (its legend below it)."""
     k = opts.micro_batches
     ref = next(r for r in rows if r["strategy"] == REFERENCE)
-    psi = 4 * ref["numel"]
-    mb = 1 / 2 ** 20
-    header = (f"{'run':<29}{'final loss':>10}{'|dW|/|W| vs ref':>17}{'moved/step':>12}{'= x Psi':>9}"
-              f"{'ZeRO x Psi':>11}{'persistent/rank':>17}{'ZeRO':>9}  {'checkpoint -> loaded as'}")
-    lines = [header, "-" * len(header)]
+    psi, mb = 4 * ref["numel"], 1 / 2 ** 20
+    header = (f"{'run':<29}{'final loss':>10}{'|dW|/|W|':>10}{'moved/step':>12}{'x Psi':>7}{'ZeRO':>6}"
+              f"{'kept/rank':>12}{'ZeRO':>9}")
     ref_norm = sum(v.double().pow(2).sum().item() for v in ref["state"].values()) ** 0.5
-    for r in rows:
-        dw = sum((r["state"][key] - ref["state"][key]).double().pow(2).sum().item() for key in ref["state"]) ** 0.5
-        persistent = r["persistent"] + r["adam"]
-        if r["comm"] is None:
-            moved = ratio = "-"
-            theory_moved = f"{2:>7}"
-            theory_mem = f"{4 * psi * mb:7.2f}MB"
-        else:
-            c = r["comm"]
-            moved_bytes = 2 * c["all_reduce"]["bytes"] + c["reduce_scatter"]["bytes"] + c["all_gather"]["bytes"]
-            per_step = moved_bytes / opts.iters
-            t_moved, t_mem = _zero_theory(r["strategy"], k, world)
-            moved, ratio, theory_moved = f"{per_step * mb:8.2f}MB", f"{per_step / psi:7.3f}", f"{t_moved:>7}"
-            theory_mem = f"{t_mem * psi * mb:7.2f}MB"
-        if "reloaded" in r:
-            target, weights, steps = r["reloaded"]
-            same = all(torch.equal(weights[key], r["state"][key]) for key in r["state"]) and steps == r["step"]
-            reloaded = f"{target}: {'bitwise' if same else 'DIFFERS'}"
-        else:
-            reloaded = "-"
-        lines.append(f"{r['label']:<29}{r['losses'][-1]:>10.5f}{dw / ref_norm:>17.1e}{moved:>12}{ratio:>9}"
-                     f"{theory_moved:>11}{persistent * mb:>15.2f}MB{theory_mem:>9}  {reloaded}")
+    lines = [header, "-" * len(header)] + [_row(r, ref, ref_norm, opts, world) for r in rows] + _round_trips(rows)
     lines += [
         "",
-        f"Psi = {ref['numel']:,} parameters x 4 bytes = {psi * mb:.2f} MB, N = {world} ranks, k = {k} micro-batches "
-        f"per step, {opts.iters} steps.",
-        "moved/step: bytes entering collectives per step (an all-reduce counts as reduce-scatter + all-gather);",
-        "  ZeRO: DDP 2, ZeRO-1 2, ZeRO-2 k+1 (reduce-scatter per micro-batch), ZeRO-3 3k (2 all-gathers + 1 "
-        "reduce-scatter per micro-batch).",
-        "persistent/rank: weights + main weights + grads + Adam state on rank 0; ZeRO: fp32 4+4+8 bytes per "
-        "parameter, sharded parts / N.",
-        "|dW|/|W|: final weights vs Megatron's own DDP; fp32 rounding (shard-wise grad norms and reductions sum "
-        "in another order),",
-        "  which Adam magnifies on weights whose true gradient is 0 (e.g. the key part of the QKV bias).",
-        "checkpoint: the run's final model and Adam state saved with Megatron's dist_checkpointing (--ckpt-format "
-        "torch_dist, each rank",
-        "  writes its shards) and loaded into a fresh model of the next strategy: weights and Adam step compared.",
+        f"Psi = {ref['numel']:,} parameters x 4 bytes = {psi * mb:.2f} MB; N = {world} ranks;",
+        f"  k = {k} micro-batches per step, {opts.iters} steps.",
+        "|dW|/|W|: final weights vs Megatron's own DDP: fp32 rounding (grad norms over shards, reductions",
+        "  in another order), which Adam magnifies where the true gradient is 0 (the QKV bias's key part).",
+        "moved/step: bytes entering collectives per step (an all-reduce counts as reduce-scatter +",
+        "  all-gather), x Psi; ZeRO: DDP 2, ZeRO-1 2, ZeRO-2 k+1, ZeRO-3 3k.",
+        "kept/rank: weights + main weights + grads + Adam state on rank 0; ZeRO: fp32 4+4+8 bytes per",
+        "  parameter, the sharded parts / N.",
+        "checkpoint round trips: each run's final model and Adam state saved with Megatron's",
+        "  dist_checkpointing (torch_dist) and loaded into a fresh model of the next strategy.",
     ]
     return "\n".join(lines)
 
@@ -279,15 +285,14 @@ def _table(rows: List[dict], opts, world: int) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-def _quiet() -> None:
-    warnings.filterwarnings("ignore")
-    for name in ("megatron", "torch.utils.cpp_extension", "torch.distributed"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+def _summarize_notices(opts, rank: int) -> None:
+    """Notices that need no action as one line per kind, from rank 0 (megatron_fsdp_v2/notices.py)."""
+    if not opts.verbose:
+        summarize_notices(rank=rank)
 
 
 def _worker(rank: int, world: int, opts, port: int) -> None:
-    _quiet()
+    _summarize_notices(opts, rank)
     torch.set_num_threads(1)
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -302,9 +307,7 @@ def _worker(rank: int, world: int, opts, port: int) -> None:
             init_megatron_parallel_state(world, seed=opts.seed)
             try:
                 if rank == 0:
-                    print(f"Training a {opts.layers}-layer GPT (hidden {opts.hidden}, vocab {opts.vocab}, seq "
-                          f"{opts.seq}) on {world} gloo rank(s), {opts.iters} steps x {opts.micro_batches} "
-                          "micro-batches per run:", flush=True)
+                    print(_heading(opts, world), flush=True)
                 batches = _batches(opts, rank)
                 rows = [_run(opts, batches, name, rank) for name in (REFERENCE, *STRATEGY_NAMES)]
                 for i, row in enumerate(rows[1:]):
@@ -327,7 +330,7 @@ def _free_port() -> int:
 
 def main(argv=None) -> None:
     opts = _parse(argv)
-    _quiet()
+    _summarize_notices(opts, 0)
     start = time.time()
     import torch.multiprocessing as mp
 

@@ -13,15 +13,24 @@ Usage (GPUs, torchrun; mock data, ``NullTokenizer``), from the repository root w
 Every argument is Megatron-LM's (``megatron.training.arguments``), parsed and validated by
 Megatron. ``--data-parallel-sharding-strategy {no_shard,optim,optim_grads,optim_grads_params,auto}``
 selects *our* strategy (Megatron's parser default is ``optim_grads_params``; ``auto``: see
-``parse_args``, with the launcher's ``--activation-reserve-gib G``). Megatron's warnings show once
-per process each (``quiet_repeated_warnings``); the launcher's ``--verbose`` keeps Megatron's default.
+``parse_args``, with the launcher's ``--activation-reserve-gib G``). Notices that need no action
+(Transformer Engine / Apex missing, deprecations of the APIs this example calls, CPU stand-ins) are
+summarized in one line per kind on rank 0 (``megatron_fsdp_v2.notices``); Megatron's other warnings
+show once per process each (``quiet_repeated_warnings``); the launcher's ``--verbose`` keeps
+Megatron's default.
 
 A Megatron-FSDP command line runs unchanged: ``--use-megatron-fsdp`` selects this package (the
 Megatron-FSDP being swapped in). Megatron's validation runs with it, as in Megatron-LM: it forces
 ``--use-distributed-optimizer`` (with every strategy: the strategy decides what is sharded, ``no_shard``
 keeps replicated optimizer state), allows ``--optimizer adam`` / ``sgd`` only and demands ``--ckpt-format
-fsdp_dtensor``, which ``--save`` writes and ``--load`` reads in Megatron-FSDP's layout. Megatron-FSDP's
-other flags are honoured, refused or warned about as docs/megatron_settings.md says. ``--use-torch-fsdp2``
+fsdp_dtensor``, which ``--save`` writes and ``--load`` reads in Megatron-FSDP's layout (left out, the
+launcher says so once, on rank 0, and every rank exits with status 2, where Megatron-LM's assertion
+would print a traceback per rank)::
+
+    torchrun --nproc-per-node 8 examples/pretrain_gpt.py --use-megatron-fsdp --use-distributed-optimizer \\
+        --ckpt-format fsdp_dtensor --data-parallel-sharding-strategy optim_grads_params ...   # the flags above
+
+Megatron-FSDP's other flags are honoured, refused or warned about as docs/megatron_settings.md says. ``--use-torch-fsdp2``
 is refused.
 
 An example, not library code: it lives outside the installed package, and its pieces
@@ -67,7 +76,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import importlib.util
 import logging
+import os
 import re
 import sys
 import warnings
@@ -76,10 +87,15 @@ from typing import List, Optional
 import torch
 
 from megatron_fsdp_v2 import STRATEGY_NAMES, AutoStrategy
-from megatron_fsdp_v2.megatron import (FullyShardedDataParallel, check_optimizer_config, get_optimizer,
-                                       read_optimizer_layout)
-from megatron_fsdp_v2.megatron.checkpoint.checkpoint_format import (CORE_DCP, FSDP_DTENSOR, TORCH_DIST,
-                                                               detect_checkpoint_format)
+from megatron_fsdp_v2.notices import summarize_notices
+
+if __name__ == "__main__" and "--verbose" not in sys.argv:
+    summarize_notices()     # before Megatron's modules import below: their import-time notices too
+
+from megatron_fsdp_v2.megatron import (FullyShardedDataParallel, check_optimizer_config,  # noqa: E402
+                                       get_optimizer, read_optimizer_layout)
+from megatron_fsdp_v2.megatron.checkpoint.checkpoint_format import (  # noqa: E402
+    CORE_DCP, FSDP_DTENSOR, TORCH_DIST, detect_checkpoint_format)
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +104,12 @@ DATA_PARALLEL_CLASS = FullyShardedDataParallel
 
 #: Applied by Megatron's ``validate_args`` to arguments left unset on the command line.
 LAUNCHER_DEFAULTS = {"tokenizer_type": "NullTokenizer"}
+
+class LauncherArgumentError(ValueError):
+    """A command line this launcher refuses (its own checks, before Megatron's validation). ``main``
+    prints it once, on rank 0, and every rank exits with status 2; Megatron-LM's own errors pass
+    through untouched, a traceback per rank as Megatron-LM gives them."""
+
 
 _FORBIDDEN_FLAGS = {
     "use_torch_fsdp2": "--use-torch-fsdp2 selects torch FSDP2; this launcher uses megatron_fsdp_v2",
@@ -107,15 +129,34 @@ def check_launcher_args(args: argparse.Namespace) -> None:
         problems.append(f"--ckpt-format must be torch_dist or fsdp_dtensor with --save / --load (sharded, "
                         f"reshardable across data-parallel sizes and strategies; torch and torch_dcp do not hold "
                         f"the sharded optimizer state of this wrapper), got {ckpt_format!r}")
+    if getattr(args, "use_megatron_fsdp", False) and not getattr(args, "ckpt_format_fsdp_dtensor", False):
+        problems.append(f"--use-megatron-fsdp needs --ckpt-format fsdp_dtensor (Megatron-LM's validation demands it "
+                        f"with Megatron-FSDP), got --ckpt-format {ckpt_format}; add --ckpt-format fsdp_dtensor")
     if getattr(args, "ckpt_format_fsdp_dtensor", False) and getattr(args, "save", None):
         problems += _fsdp_dtensor_save_problems(args)
+    problems += _async_save_problems(args)
     if getattr(args, "data_path", None) or getattr(args, "train_data_path", None):
         problems.append("this launcher trains on mock data only; drop --data-path / --train-data-path")
     if problems:
-        raise ValueError("examples/pretrain_gpt.py: " + "; ".join(problems) + ".")
+        raise LauncherArgumentError("examples/pretrain_gpt.py: " + "; ".join(problems) + ".")
     # The optimizer flags (named as OptimizerConfig's fields), before Megatron's validation asserts
     # on some of them without naming ours: e.g. --optimizer-cpu-offload is refused by its name.
-    check_optimizer_config(vars(args), strategy, where="examples/pretrain_gpt.py")
+    try:
+        check_optimizer_config(vars(args), strategy, where="examples/pretrain_gpt.py")
+    except ValueError as error:
+        raise LauncherArgumentError(str(error)) from error
+
+
+def _async_save_problems(args: argparse.Namespace) -> List[str]:
+    """``--async-save --use-persistent-ckpt-worker`` saves through Megatron-LM's queue; its default
+    strategy, ``nvrx``, is nvidia-resiliency-ext's, which would fail at the first save, after training."""
+    asked = getattr(args, "async_save", False) and getattr(args, "use_persistent_ckpt_worker", False)
+    if not asked or getattr(args, "async_strategy", "nvrx") != "nvrx":
+        return []
+    if importlib.util.find_spec("nvidia_resiliency_ext") is not None:
+        return []
+    return ["--async-save with --async-strategy nvrx (Megatron-LM's default) needs nvidia-resiliency-ext, which is "
+            "not installed; pass --async-strategy mcore (megatron-core's own queue) or install it"]
 
 
 def _fsdp_dtensor_save_problems(args: argparse.Namespace) -> List[str]:
@@ -168,9 +209,10 @@ def take_launcher_flags(argv: List[str]) -> tuple:
             try:
                 reserve = int(float(value) * (1 << 30))
             except ValueError:
-                raise ValueError(f"examples/pretrain_gpt.py: {_RESERVE_FLAG} must be a number of GiB, got {value!r}.") from None
+                raise LauncherArgumentError(f"examples/pretrain_gpt.py: {_RESERVE_FLAG} must be a number of GiB, "
+                                            f"got {value!r}.") from None
             if reserve < 0:
-                raise ValueError(f"examples/pretrain_gpt.py: {_RESERVE_FLAG} must be >= 0, got {value!r}.")
+                raise LauncherArgumentError(f"examples/pretrain_gpt.py: {_RESERVE_FLAG} must be >= 0, got {value!r}.")
         else:
             out += [token] if flag not in (_STRATEGY_FLAG,) or eq else [token, value]
         i += 1
@@ -210,7 +252,7 @@ def take_verbose_flag(argv: List[str]) -> tuple:
     no such flag): keep every warning Megatron repeats instead of each once."""
     for token in argv:
         if token.startswith(_VERBOSE_FLAG + "="):
-            raise ValueError(f"examples/pretrain_gpt.py: {_VERBOSE_FLAG} takes no value, got {token!r}; "
+            raise LauncherArgumentError(f"examples/pretrain_gpt.py: {_VERBOSE_FLAG} takes no value, got {token!r}; "
                              f"allowed: {_VERBOSE_FLAG} alone.")
     return [t for t in argv if t != _VERBOSE_FLAG], _VERBOSE_FLAG in argv
 
@@ -256,10 +298,12 @@ def quiet_repeated_warnings() -> None:
 
 
 def set_up_warnings(argv: List[str]) -> bool:
-    """``quiet_repeated_warnings()`` unless ``--verbose`` is among the launcher's arguments (then
-    Megatron's default stays); True if it was installed."""
+    """``summarize_notices()`` (notices that need no action: one line per kind, rank 0) and
+    ``quiet_repeated_warnings()`` unless ``--verbose`` is among the launcher's arguments (then
+    Megatron's default stays); True if they were installed."""
     verbose = take_verbose_flag(argv)[1]
     if not verbose:
+        summarize_notices()
         quiet_repeated_warnings()
     return not verbose
 
@@ -335,7 +379,9 @@ def use_fully_sharded_data_parallel(args: Optional[argparse.Namespace] = None):
     """Make ``megatron.training.training`` wrap model chunks with ``FullyShardedDataParallel`` and
     build optimizers with ``get_optimizer`` (module attributes patched, restored on exit).
     ``args``: the parsed arguments ``auto`` plans from (default: Megatron's global args)."""
-    from megatron.training import training
+    from megatron.training import checkpointing, training
+
+    from megatron_fsdp_v2.megatron.checkpoint.async_request import copy_host_tensors_at_preload
 
     original_wrap = training.wrap_model_chunks_with_ddp
     original_get_optimizer = training.get_megatron_optimizer
@@ -381,11 +427,19 @@ def use_fully_sharded_data_parallel(args: Optional[argparse.Namespace] = None):
             return save_megatron_fsdp_checkpoint(*args, **kwargs)
         return original_save(*args, **kwargs)
 
+    # --async-save --ckpt-format torch_dist: Megatron-LM's request, its preload copying host tensors
+    # too ([Note: our checkpoints in Megatron's async queue])
+    original_schedule = checkpointing.schedule_async_save
+
+    def schedule_async_save(request):
+        return original_schedule(copy_host_tensors_at_preload(request))
+
     training.wrap_model_chunks_with_ddp = wrap_model_chunks
     training.get_megatron_optimizer = get_optimizer
     training.to_empty_if_meta_device = keep_on_meta
     training.load_checkpoint = load_checkpoint
     training.save_checkpoint = save_checkpoint
+    checkpointing.schedule_async_save = schedule_async_save
     with _prebuilt_dataset_helpers():
         try:
             yield
@@ -395,14 +449,13 @@ def use_fully_sharded_data_parallel(args: Optional[argparse.Namespace] = None):
             training.to_empty_if_meta_device = original_to_empty
             training.load_checkpoint = original_load
             training.save_checkpoint = original_save
+            checkpointing.schedule_async_save = original_schedule
 
 
 def latest_checkpoint_directory() -> Optional[str]:
     """The ``torch_dist`` directory Megatron-LM's ``load_checkpoint`` will read for ``--load``
     (its tracker file's iteration, or ``--ckpt-step``), or ``None`` when there is none (then
     Megatron-LM's own rules apply: start from scratch, or its error)."""
-    import os
-
     from megatron.training import checkpointing
     from megatron.training.global_vars import get_args
 
@@ -457,11 +510,13 @@ def save_megatron_fsdp_checkpoint(iteration: int, model, optimizer, opt_param_sc
     (``save_fsdp_dtensor_checkpoint``) in Megatron-LM's directory for ``iteration`` under ``--save``,
     with the scheduler, the floating-point operation count and (unless ``--no-save-rng``) the RNG
     states as Megatron-LM stores them for fsdp_dtensor; then the tracker file, so ``--load`` (ours,
-    or Megatron-LM's with ``--use-megatron-fsdp``) finds it."""
+    or Megatron-LM's with ``--use-megatron-fsdp``) finds it. With ``--async-save`` the same through
+    Megatron-LM's queue (``fsdp_dtensor_async_request``): the tracker is written by its finalize."""
     from megatron.core import parallel_state as ps
     from megatron.training import checkpointing
     from megatron.training.global_vars import get_args
 
+    from megatron_fsdp_v2.megatron.checkpoint.async_request import fsdp_dtensor_async_request
     from megatron_fsdp_v2.megatron.checkpoint.fsdp_dtensor_format import save_fsdp_dtensor_checkpoint
 
     margs = get_args()
@@ -472,13 +527,28 @@ def save_megatron_fsdp_checkpoint(iteration: int, model, optimizer, opt_param_sc
     if not margs.no_save_rng:
         extra["rng_state"] = checkpointing.get_rng_state(FSDP_DTENSOR, ps.get_tensor_model_parallel_group(),
                                                          ps.get_pipeline_model_parallel_group())
-    save_fsdp_dtensor_checkpoint(directory, model[0], None if margs.no_save_optim else optimizer, iteration, margs,
-                                 extra=extra)
+    optimizer = None if margs.no_save_optim else optimizer
+    tracker = functools.partial(_write_tracker, checkpointing.get_checkpoint_tracker_filename(margs.save), iteration)
+    if margs.async_save:     # Megatron-LM's queue ([Note: our checkpoints in Megatron's async queue])
+        from megatron.training.async_utils import schedule_async_save
+
+        request = fsdp_dtensor_async_request(directory, model[0], optimizer, iteration, margs, extra=extra,
+                                             async_strategy=margs.async_strategy,
+                                             thread_count=margs.dist_ckpt_workers)
+        request.add_finalize_fn(tracker)
+        schedule_async_save(request)
+        return
+    save_fsdp_dtensor_checkpoint(directory, model[0], optimizer, iteration, margs, extra=extra)
     torch.distributed.barrier()
+    tracker()
+    torch.distributed.barrier()
+
+
+def _write_tracker(filename: str, iteration: int) -> None:
+    """Rank 0: Megatron-LM's tracker file names ``iteration`` as the checkpoint to load (written last)."""
     if torch.distributed.get_rank() == 0:
-        with open(checkpointing.get_checkpoint_tracker_filename(margs.save), "w") as tracker:
+        with open(filename, "w") as tracker:
             tracker.write(str(iteration))
-    torch.distributed.barrier()
 
 
 @contextlib.contextmanager
@@ -488,8 +558,6 @@ def _prebuilt_dataset_helpers():
     ``initialize_megatron`` runs ``make -C megatron/core/datasets`` on rank 0; the megatron-core
     wheel carries the compiled ``helpers_cpp`` extension but no Makefile, so ``make`` fails and
     Megatron exits. When the prebuilt module imports, compiling is unnecessary."""
-    import os
-
     from megatron.core.datasets import utils as dataset_utils
 
     has_makefile = os.path.exists(os.path.join(os.path.dirname(dataset_utils.__file__), "Makefile"))
@@ -595,6 +663,14 @@ def forward_step(data_iterator, model):
     return output, functools.partial(loss_func, batch["loss_mask"])
 
 
+def exit_with_one_message(error: LauncherArgumentError) -> None:
+    """Rank 0 prints ``error`` (one line, no traceback) and every rank exits with status 2, so a
+    refused command line reads once however many ranks torchrun started."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     from megatron.core.enums import ModelType
     from megatron.training import pretrain
@@ -606,8 +682,11 @@ def main(argv: Optional[List[str]] = None) -> None:
         # Megatron-LM 0.19.2's own --help crashes (a help string holds a bare '%').
         print(__doc__)
         return
-    set_up_warnings(argv)               # before parse_args: Megatron warns while its modules import
-    args = parse_args(argv)
+    try:
+        set_up_warnings(argv)           # before parse_args: Megatron warns while its modules import
+        args = parse_args(argv)
+    except LauncherArgumentError as error:
+        exit_with_one_message(error)
     set_global_variables(args)
     cfg = pretrain_cfg_container_from_args(args, model_cfg=None)
     with use_fully_sharded_data_parallel():

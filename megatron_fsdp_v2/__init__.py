@@ -4,11 +4,12 @@ Public names only; the Megatron adapter lives in ``megatron_fsdp_v2.megatron`` a
 demand, so the core runs with torch alone.
 """
 
-from .checkpoint import (CheckpointCorruptError, ChecksummedFileSystemWriter, SafeFileSystemReader, UnsafeCheckpointError,
-                         export_full_state_dict, load_checkpoint, load_optimizer_state_dict, optimizer_state_dict,
-                         save_checkpoint)
+from .checkpoint import (CheckpointCorruptError, ChecksummedFileSystemWriter, HostStager, SafeFileSystemReader,
+                         UnsafeCheckpointError, async_save_checkpoint, export_full_state_dict, load_checkpoint,
+                         load_optimizer_state_dict, optimizer_state_dict, save_checkpoint)
 from .comm.ledger import CollectiveMismatchError
 from .fully_shard import FullyShardedModule, fully_shard
+from .graphs import GraphedStep, make_graphed_step
 from .summon import summon_full_params
 from .mixed_precision import MixedPrecisionPolicy
 from .plan.resolve import AutoStrategy
@@ -23,6 +24,8 @@ __all__ = [
     "ChecksummedFileSystemWriter",
     "CollectiveMismatchError",
     "FullyShardedModule",
+    "GraphedStep",
+    "HostStager",
     "MixedPrecisionPolicy",
     "Plan",
     "OffloadPolicy",
@@ -31,11 +34,13 @@ __all__ = [
     "SafeFileSystemReader",
     "ShardingStrategy",
     "UnsafeCheckpointError",
+    "async_save_checkpoint",
     "export_full_state_dict",
     "fully_shard",
     "get_strategy",
     "load_checkpoint",
     "load_optimizer_state_dict",
+    "make_graphed_step",
     "optim",
     "optimizer_state_dict",
     "plan",

@@ -356,7 +356,7 @@ def fully_shard(
         broadcast_buffers: overwrite the buffers (e.g. BatchNorm statistics) with rank 0's before
             a forward, by torch DDP's rule for its switch of the same name (default on): the first
             forward and every forward after a grad-enabled forward outside ``no_sync()``
-            (runtime/engine.py, [Note: buffers as DDP]).
+            (runtime/buffer_broadcast.py, [Note: buffers as DDP]).
         unused_param_grads: ``"none"`` (torch DDP / FSDP2): a parameter no rank used keeps
             ``.grad = None``, so optimizers skip it; ``"zeros"``: it gets a zero gradient
             (Megatron DDP's ``main_grad`` semantics).
@@ -412,7 +412,7 @@ def fully_shard(
 
     A module built on the meta device (``with torch.device("meta"):``) is materialized on the
     process group's device one initializer at a time, each rank keeping only its shards: see
-    README "Models that do not fit on one GPU".
+    docs/user_guide.md, "Models that do not fit on one GPU". Every argument in one table: docs/api.md.
 
     Submodules already wrapped by an earlier ``fully_shard`` call become units of this one, each
     keeping its own ``mixed_precision`` (FSDP2's nesting: wrap the blocks, then the root). Every

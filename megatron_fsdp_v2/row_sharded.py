@@ -32,7 +32,7 @@ the splits and overrides exactly those places:
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -42,12 +42,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .comm import all_gather_single
+from .comm.thread_shutdown import release_groups_at_destroy
 from .dtensor.pickling import install_dtensor_view_pickling
 from .dtensor.indexed_writes import install_indexed_write_handlers
 from .dtensor.op_handlers import OUR_MESH_PREFIX, install_dtensor_op_handlers
 
-__all__ = ["RowShardedTensor", "chunk_splits", "dispatch_reaches_subclasses", "gather_rows", "local_piece", "mesh_of_group", "row_sharded",
-           "sharded_rows"]
+__all__ = ["RowShardedTensor", "chunk_splits", "dispatch_reaches_subclasses", "gather_rows", "local_piece", "mesh_of_group",
+           "over_local", "row_sharded", "sharded_rows"]
 
 _aten = torch.ops.aten
 _MAX_NORM_OPS = {_aten._foreach_norm.Scalar, _aten.linalg_vector_norm.default}
@@ -386,6 +387,15 @@ def _wrap(local: torch.Tensor, spec, row_splits: tuple, requires_grad: bool) -> 
     return tensor
 
 
+def over_local(value: DTensor, local: torch.Tensor) -> DTensor:
+    """A DTensor laid out as ``value`` (its spec; a RowShardedTensor's row splits) whose local piece
+    is ``local`` (same shape and dtype, any device): a checkpoint's host copy of a rank's piece
+    declares exactly the live value's chunks to DCP."""
+    if isinstance(value, RowShardedTensor):
+        return _wrap(local, value._spec, value.row_splits, False)
+    return DTensor(local, value._spec, requires_grad=False)
+
+
 def gather_rows(local: torch.Tensor, row_splits: Sequence[int], group) -> torch.Tensor:
     """The whole tensor from every rank's rows (rank ``r``: rows ``[row_splits[r], row_splits[r + 1])``,
     ``local`` here): one all-gather of pieces padded to the most rows, on every rank of ``group``."""
@@ -409,10 +419,14 @@ def mesh_of_group(group, device: torch.device) -> DeviceMesh:
 
     The dimension is named after the group: DeviceMesh equality ignores the process group, so two
     meshes over the same ranks from different groups compare equal and DTensor's sharding cache
-    hands one's specs (and thus its group, possibly destroyed since) to ops on the other."""
+    hands one's specs (and thus its group, possibly destroyed since) to ops on the other. The mesh
+    lets its group go when the group is destroyed (comm/thread_shutdown.py, [Note: gloo's threads
+    at exit])."""
     group = group if group is not None else dist.group.WORLD
-    return DeviceMesh.from_group(group, device_type=device.type,
+    mesh = DeviceMesh.from_group(group, device_type=device.type,
                                  mesh_dim_names=(f"{OUR_MESH_PREFIX}{group.group_name}",))
+    release_groups_at_destroy(mesh)
+    return mesh
 
 
 def chunk_splits(rows: int, pieces: int) -> tuple[int, ...]:
@@ -421,17 +435,36 @@ def chunk_splits(rows: int, pieces: int) -> tuple[int, ...]:
     return tuple(min(rank * per_piece, rows) for rank in range(pieces + 1))
 
 
+class RowsSpec(NamedTuple):
+    """How to face the optimizer with a piece of given shape and dtype (``rows_spec``): made once per
+    parameter, then every step's ``.grad`` is wrapped with it (``wrap_rows``) without rebuilding it,
+    as FSDP2 wraps each gradient with its parameter's sharding spec."""
+
+    spec: object                      # the DTensorSpec of the Shard(0) tensor
+    row_splits: Optional[tuple]       # HFSDP's row-snapped splits (a RowShardedTensor); None: torch.chunk's
+
+
+def rows_spec(local: torch.Tensor, mesh: DeviceMesh, shape: Sequence[int], row_splits: Sequence[int]) -> RowsSpec:
+    """The spec of a ``Shard(0)`` tensor of global ``shape`` with ``local``'s piece shape and dtype."""
+    shape = torch.Size(shape)
+    chunked = tuple(row_splits) == chunk_splits(shape[0], mesh.size())
+    return RowsSpec(_shard0_spec(local, mesh, shape), None if chunked else tuple(row_splits))
+
+
+def wrap_rows(made: RowsSpec, local: torch.Tensor, requires_grad: bool = False) -> DTensor:
+    """``local`` (this rank's rows; shared, not copied) as the DTensor ``made`` describes."""
+    if made.row_splits is None:
+        return DTensor(local, made.spec, requires_grad=requires_grad)
+    return _wrap(local, made.spec, made.row_splits, requires_grad)
+
+
 def sharded_rows(local: torch.Tensor, mesh: DeviceMesh, shape: Sequence[int], row_splits: Sequence[int],
                  requires_grad: bool = False) -> DTensor:
     """The optimizer-facing DTensor ``Shard(0)`` of global ``shape`` whose local piece is ``local``
     (this rank's rows; shared, not copied): a plain DTensor when the splits are ``torch.chunk``'s
     (every strategy's per-parameter shards), a RowShardedTensor otherwise (HFSDP's row-snapped
     shards)."""
-    shape = torch.Size(shape)
-    spec = _shard0_spec(local, mesh, shape)
-    if tuple(row_splits) == chunk_splits(shape[0], mesh.size()):
-        return DTensor(local, spec, requires_grad=requires_grad)
-    return _wrap(local, spec, tuple(row_splits), requires_grad)
+    return wrap_rows(rows_spec(local, mesh, shape, row_splits), local, requires_grad)
 
 
 def row_sharded(local: torch.Tensor, mesh: DeviceMesh, shape: Sequence[int], row_splits: Sequence[int],

@@ -69,12 +69,14 @@ STRATEGIES: dict[str, ShardingStrategy] = {
 STRATEGY_NAMES = tuple(STRATEGIES)
 
 
-def get_strategy(name: "str | ShardingStrategy", argument: str = "sharding_strategy") -> ShardingStrategy:
-    """Look a strategy up by Megatron's name; anything else is a ``ValueError`` naming the choices."""
+def get_strategy(name: "str | ShardingStrategy", argument: str = "sharding_strategy",
+                 also_allowed: tuple = ()) -> ShardingStrategy:
+    """Look a strategy up by Megatron's name; anything else is a ``ValueError`` naming the choices,
+    with ``also_allowed`` (the names the caller takes besides a strategy, e.g. ``"auto"``)."""
     if isinstance(name, ShardingStrategy):
         return name
     if not isinstance(name, str) or name not in STRATEGIES:
-        raise ValueError(f"{argument} must be one of {list(STRATEGY_NAMES)}, got {name!r}.")
+        raise ValueError(f"{argument} must be one of {list(STRATEGY_NAMES) + list(also_allowed)}, got {name!r}.")
     return STRATEGIES[name]
 
 

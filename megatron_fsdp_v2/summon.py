@@ -40,6 +40,12 @@ def summon_full_params(module, recurse: bool = True, writeback: bool = True, ran
 
     Collective: every rank of the data-parallel group must enter it together. Not allowed during
     forward or backward (the module's own all-gathers own the parameters then).
+
+    Inside it grad mode is off, as under ``torch.no_grad()``: FSDP1 allows no forward or backward
+    in its ``summon_full_params`` either, and a graph built on full tensors that leave the module
+    on exit could only mislead. So reading a weight builds no graph (``float(p.norm())`` without
+    torch's "requires_grad=True to a scalar" warning) and in-place edits need no ``no_grad()``;
+    ``p.requires_grad`` still says which parameters train.
     """
     engine = _engine_of(module)
     if rank0_only and writeback:
@@ -80,7 +86,8 @@ def summon_full_params(module, recurse: bool = True, writeback: bool = True, ran
                 param.data = group.exporter.full_param(full_main, index)
                 param.grad = grad
     try:
-        yield module
+        with torch.no_grad():
+            yield module
     finally:
         with torch.no_grad():
             for param, data, grad in restore:

@@ -268,7 +268,31 @@ _MODULES_WITH_CPU_TORCH = {
     "megatron.core.transformer.moe.token_dispatcher": "MoE dispatcher side stream",
     # TopKRouter.gating: moves CPU weights to torch.cuda.current_device() at every forward
     "megatron.core.transformer.moe.router": "MoE router weights",
+    # FullCudaGraphWrapper (--cuda-graph-impl full_iteration): StaticBufferLoader's stream, the capture stream
+    "megatron.core.full_cuda_graph": "full-iteration graph streams",
 }
+
+
+def _cpu_copy_tensors_in_struct(src):
+    """``full_cuda_graph.copy_tensors_in_struct`` without its ``.cuda()``: the static input buffers of
+    Megatron's full-iteration CUDA graph, kept on the CPU."""
+    if isinstance(src, (tuple, list)):
+        return type(src)(_cpu_copy_tensors_in_struct(item) for item in src)
+    if isinstance(src, dict):
+        return {key: _cpu_copy_tensors_in_struct(value) for key, value in src.items()}
+    return src.clone().detach() if isinstance(src, torch.Tensor) else src
+
+
+def _fresh_full_iteration_graph_state(p: "_Patcher") -> None:
+    """``FullCudaGraphWrapper`` counts iterations and keeps its static inputs in class attributes: a
+    case starts from none (its warm-up counts from 0) and leaves the next none; its copies go to CPU."""
+    import megatron.core.full_cuda_graph as mgraph
+
+    p.setattr(mgraph, "copy_tensors_in_struct", _cpu_copy_tensors_in_struct)
+    for name in ("curr_iteration", "cuda_graph", "result"):
+        p.setattr(mgraph.FullCudaGraphWrapper, name, dict.fromkeys(("training", "validation"),
+                                                                     0 if name == "curr_iteration" else None))
+    p.setattr(mgraph.StaticBufferLoader, "static_buffers", {"training": [], "validation": []})
 
 
 def _gloo_uneven_gather(original):
@@ -340,6 +364,9 @@ def patch_megatron_for_cpu(*extra_modules: str):
          piece (gloo takes only even ones).
       5. ``LanguageModule.setup_embeddings_and_output_layer`` (pipeline stages sharing the word
          embedding: ``weight.data.cuda()`` before the all-reduce) runs with that move a no-op.
+      7. ``full_cuda_graph`` (``--cuda-graph-impl full_iteration``): patch 3's shim for its streams,
+         ``copy_tensors_in_struct`` without ``.cuda()``, and ``FullCudaGraphWrapper``'s class-level
+         iteration count and ``StaticBufferLoader``'s static inputs fresh for the context.
       4. ``clip_grad_by_total_norm_fp32`` (asserts ``grad.type() == 'torch.cuda.FloatTensor'``)
          is replaced in ``clip_grads`` and ``optimizer.optimizer`` by a copy asserting float32;
          ``clip_grads.l2_norm_impl`` (the no-TE/no-apex fallback allocates on 'cuda') by a CPU copy.
@@ -375,6 +402,7 @@ def patch_megatron_for_cpu(*extra_modules: str):
         p.setattr(mmappings, "_gather_along_first_dim", _gloo_uneven_gather(mmappings._gather_along_first_dim))
         p.setattr(mmappings, "_reduce_scatter_along_first_dim",
                   _gloo_uneven_reduce_scatter(mmappings._reduce_scatter_along_first_dim))
+        _fresh_full_iteration_graph_state(p)
         shim = _CpuTorchModule()
         for modname in (*_MODULES_WITH_CPU_TORCH, *extra_modules):
             mod = importlib.import_module(modname)

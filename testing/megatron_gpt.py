@@ -82,16 +82,20 @@ def forward_step(data_iterator, model):
     return output, functools.partial(loss_func, batch["loss_mask"])
 
 
-def megatron_train_step(wrapped, optimizer, micro_batches: list, seq: int, micro_batch_size: int):
+def megatron_train_step(wrapped, optimizer, micro_batches: list, seq: int, micro_batch_size: int,
+                        forward_backward=None):
     """Megatron-LM's ``train_step`` for one model chunk: zero the grad buffers, run
-    ``get_forward_backward_func()`` over the micro-batches (``config.finalize_model_grads_func``
-    reduces), step. Returns ``(losses reported by the schedule, step succeeded, grad norm)``."""
+    ``forward_backward`` (default ``get_forward_backward_func()``; Megatron-LM wraps it in
+    ``FullCudaGraphWrapper`` with ``--cuda-graph-impl full_iteration``) over the micro-batches
+    (``config.finalize_model_grads_func`` reduces), step. Returns ``(losses reported by the schedule,
+    step succeeded, grad norm)``."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     wrapped.zero_grad_buffer()
     optimizer.zero_grad()
-    store = get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(micro_batches),
-                                        model=[wrapped], num_microbatches=len(micro_batches), seq_length=seq,
-                                        micro_batch_size=micro_batch_size, forward_only=False)
+    forward_backward = forward_backward or get_forward_backward_func()
+    store = forward_backward(forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[wrapped],
+                             num_microbatches=len(micro_batches), seq_length=seq, micro_batch_size=micro_batch_size,
+                             forward_only=False)
     ok, grad_norm, _ = optimizer.step()
     return store, ok, grad_norm

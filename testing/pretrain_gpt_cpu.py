@@ -30,7 +30,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAINING_MODULES = ["megatron.training.initialize", "megatron.training.training", "megatron.training.checkpointing",
                     "megatron.training.utils.common_utils", "megatron.training.utils.utils",
                     "megatron.training.dist_signal_handler", "megatron.training.global_vars",
-                    "megatron.core.timers", "megatron.core.rerun_state_machine"]
+                    "megatron.core.timers", "megatron.core.rerun_state_machine",
+                    "megatron.core.dist_checkpointing.strategies.async_utils"]
 
 
 @contextlib.contextmanager
@@ -41,6 +42,10 @@ def launcher_on_cpu(argv: Optional[List[str]] = None):
     sys.path[:0] = [p for p in (REPO, os.path.join(REPO, "examples")) if p not in sys.path]
     import torch
 
+    from megatron_fsdp_v2.notices import summarize_notices
+
+    if argv is not None and "--verbose" not in argv:
+        summarize_notices()             # before the launcher imports Megatron: its import-time notices too
     import pretrain_gpt
     if argv is not None:
         pretrain_gpt.set_up_warnings(argv)
@@ -67,11 +72,43 @@ def launcher_on_cpu(argv: Optional[List[str]] = None):
     pretrain_gpt.forward_step = forward_step
     torch.nn.Module.cuda = lambda self, *a, **k: self
     try:
-        with cpu_compat.patch_megatron_for_cpu(*TRAINING_MODULES):
+        with cpu_compat.patch_megatron_for_cpu(*TRAINING_MODULES), _forked_checkpoint_worker():
             sys.modules[TRAINING_MODULES[0]].torch.cuda = LauncherCuda()     # the shim all patched modules share
             yield pretrain_gpt
     finally:
         pretrain_gpt.forward_step, torch.nn.Module.cuda = saved_forward_step, saved_cuda
+
+
+@contextlib.contextmanager
+def _forked_checkpoint_worker():
+    """``--async-save --use-persistent-ckpt-worker``: Megatron-LM starts its checkpoint worker
+    process from a forkserver, a fresh interpreter without the stand-ins (its first call,
+    ``torch.cuda.set_device(rank % torch.cuda.device_count())``, divides by zero on CPU); forked,
+    it inherits them."""
+    from megatron.training import initialize
+
+    original = initialize.init_persistent_async_worker
+    initialize.init_persistent_async_worker = lambda rank, mp_mode="spawn": original(rank, "fork")
+    try:
+        yield
+    finally:
+        initialize.init_persistent_async_worker = original
+        _stop_checkpoint_workers()
+
+
+def _stop_checkpoint_workers() -> None:
+    """End the worker process and the results queue's manager process Megatron-LM keeps in module
+    globals, and forget them (the next run in this process starts its own)."""
+    from megatron.core.dist_checkpointing.strategies import async_utils as core_async, filesystem_async
+    from megatron.training import async_utils
+
+    if async_utils._async_calls_queue is not None:
+        async_utils._async_calls_queue.close(abort=True)
+        async_utils._async_calls_queue = None
+    core_async.AsyncCallsQueue._persistent_caller = None
+    if filesystem_async._results_queue is not None:
+        filesystem_async._results_queue._manager.shutdown()
+        filesystem_async._results_queue = None
 
 
 def main(argv: List[str]) -> None:

@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 __all__ = [
     "patch_megatron_for_cpu",
+    "megatron_on_cpu",
     "init_megatron_parallel_state",
     "destroy_megatron_parallel_state",
     "cpu_model_parallel_manual_seed",
@@ -69,6 +70,18 @@ from testing.cpu_compat import (  # noqa: E402  (re-exported)
     patch_megatron_for_cpu,
 )
 from testing.megatron_gpt import forward_step, local_gpt, loss_func, tiny_cpu_config  # noqa: E402,F401
+
+
+@contextlib.contextmanager
+def megatron_on_cpu(world_size: int, **parallel_state_kwargs):
+    """Inside a worker: ``patch_megatron_for_cpu()`` with Megatron's parallel state initialised
+    (``init_megatron_parallel_state``) for the block and destroyed after it."""
+    with patch_megatron_for_cpu():
+        init_megatron_parallel_state(world_size, **parallel_state_kwargs)
+        try:
+            yield
+        finally:
+            destroy_megatron_parallel_state()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -226,7 +239,7 @@ class TrainResult(NamedTuple):
 
 def _reduce_lm_loss(forward_data_store, dp_group) -> tuple:
     """Megatron training.py style: sum [loss_sum, num_tokens] over micro-batches, then DP."""
-    # on the device the losses live on: NCCL reduces only CUDA tensors (benchmarks/validate_moe.py
+    # on the device the losses live on: NCCL reduces only CUDA tensors (tests/functional/test_moe.py
     # runs this on GPUs)
     device = forward_data_store[0]["lm loss"].device if forward_data_store else torch.device("cpu")
     total = torch.zeros(2, dtype=torch.float64, device=device)

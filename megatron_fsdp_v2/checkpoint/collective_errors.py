@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 
 import torch.distributed as dist
 
-from ..comm.ledger import before_collective
+from ..comm.ledger_registry import before_collective
 from .errors import CheckpointCorruptError, UnsafeCheckpointError
 
 __all__ = ["gather_reports", "raise_on_every_rank", "raise_reported"]

@@ -8,9 +8,12 @@ bit flipped in a shard file loaded as a weight of 9.1e37).
     {"format": 1, "algorithm": "sha256",
      "files": {"__0_0.distcp": {"sha256": "9f2c...", "bytes": 123456}, ..., ".metadata": {...}}}
 
-Each rank hashes the files it has just written (``write_data``; they are still in the page cache)
-and hands the digests to the coordinator inside its write results, under an index no state dict
-uses. The coordinator's ``finish`` takes them out again (``.metadata`` stays exactly DCP's), lets
+Each rank hashes the bytes of each file as they are written (``_HashingFileSystem``: the stream
+DCP writes through updates the digest, so no file is read back) and hands the digests to the
+coordinator inside its write results, under an index no state dict uses. A rank with a large
+state writes it as several files, one per writer thread (``io_threads``), so the writing and the
+hashing of its files run in parallel, and so does their verification at load (safe_reader.py).
+The coordinator's ``finish`` takes the digests out again (``.metadata`` stays exactly DCP's), lets
 DCP write ``.metadata``, hashes it and writes the manifest last: temporary file, fsync, rename,
 fsync of the directory. DCP runs ``finish`` only after every rank's files are written and fsynced,
 so **a directory with a manifest is a complete checkpoint**; commit.py builds its
@@ -27,23 +30,30 @@ docs/checkpointing.md). Cf. pytorch/torchtitan#4011 (RFC: a SHA-256 manifest for
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from ..comm.ledger import before_collective
+from ..comm.ledger_registry import before_collective
 from .collective_errors import raise_on_every_rank
+from .dcp_format import FlatRangeShard
 from .errors import CheckpointCorruptError, corrupt, this_rank
 
 __all__ = ["ALGORITHM", "MANIFEST", "METADATA_FILE", "CheckpointCorruptError", "ChecksummedFileSystemWriter",
-           "bytes_checksum", "corrupt", "file_checksum", "has_manifest", "read_manifest", "this_rank", "verify_directory",
-           "verify_file", "write_directory_manifest"]
+           "bytes_checksum", "corrupt", "file_checksum", "has_manifest", "in_parallel", "io_threads", "read_manifest",
+           "this_rank", "verification_scope", "verify_directory", "verify_file", "write_directory_manifest",
+           "write_manifest"]
 
 MANIFEST = ".checksums.json"
 METADATA_FILE = ".metadata"     # DCP's name for it (torch.distributed.checkpoint.filesystem._metadata_fn)
@@ -51,6 +61,35 @@ ALGORITHM = "sha256"
 FORMAT = 1
 _CHUNK = 8 << 20
 _DIGESTS_FQN = "\x00megatron_fsdp_v2 file checksums"   # a write-result index no state-dict key can equal
+#: A rank writes one file per this many bytes of its state, each with a thread of its own, up to
+#: IO_THREADS_MAX and its share of the host's cores (the writing and hashing of one file is serial).
+IO_BYTES_PER_THREAD = 1 << 30
+IO_THREADS_MAX = 8
+
+
+def _cores_per_rank() -> int:
+    return max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+
+
+def io_threads(state_dict: dict) -> int:
+    """How many files (and writer threads) a rank uses for ``state_dict``: one per
+    ``IO_BYTES_PER_THREAD`` of its local bytes, at least 1, at most ``IO_THREADS_MAX`` and its
+    share of the cores."""
+    local = 0
+    for value in state_dict.values():
+        piece = value.local_flat if isinstance(value, FlatRangeShard) else getattr(value, "_local_tensor", value)
+        if isinstance(piece, torch.Tensor):
+            local += piece.numel() * piece.element_size()
+    return max(1, min(IO_THREADS_MAX, _cores_per_rank(), local // IO_BYTES_PER_THREAD))
+
+
+def in_parallel(work, items: list) -> list:
+    """``[work(item) for item in items]`` on up to ``IO_THREADS_MAX`` threads (file reads and
+    sha256 release the GIL), in the order of ``items``."""
+    if len(items) <= 1:
+        return [work(item) for item in items]
+    with ThreadPoolExecutor(min(len(items), IO_THREADS_MAX, _cores_per_rank())) as pool:
+        return list(pool.map(work, items))
 
 
 def file_checksum(path) -> dict:
@@ -102,6 +141,27 @@ def _mismatch(expected: dict, got: dict) -> Optional[str]:
     return None
 
 
+class _Verified:
+    """Files checked inside the current ``verification_scope``: path -> (size, mtime, digest)."""
+
+    files: Optional[dict] = None
+
+
+@contextmanager
+def verification_scope():
+    """Within it a file is hashed once while its size and modification time stay the same: one
+    load that reads a directory through several readers (``verify_directory``, then Megatron's
+    readers) checks each file once. Outside any scope every check hashes."""
+    outer = _Verified.files
+    if outer is None:
+        _Verified.files = {}
+    try:
+        yield
+    finally:
+        if outer is None:
+            _Verified.files = None
+
+
 def verify_file(directory, name: str, manifest: dict, data: Optional[bytes] = None) -> None:
     """Raise ``CheckpointCorruptError`` unless file ``name`` of ``directory`` (or ``data``, its
     content already read) has the size and digest the manifest lists for it."""
@@ -109,17 +169,31 @@ def verify_file(directory, name: str, manifest: dict, data: Optional[bytes] = No
     expected = manifest.get(name)
     if expected is None:
         raise corrupt(path, f"{MANIFEST} does not list it, so the save did not write it")
-    if data is None:
-        if not os.path.isfile(path):
-            raise corrupt(path, f"it does not exist; the save wrote {expected['bytes']} bytes")
-        if os.path.getsize(path) != expected["bytes"]:      # cheap, before hashing
-            raise corrupt(path, f"it has {os.path.getsize(path)} bytes, the save wrote {expected['bytes']}")
-    why = _mismatch(expected, file_checksum(path) if data is None else bytes_checksum(data))
+    if data is not None:
+        why = _mismatch(expected, bytes_checksum(data))
+        if why:
+            raise corrupt(path, why)
+        return
+    try:
+        stat = os.stat(path)
+    except FileNotFoundError:
+        raise corrupt(path, f"it does not exist; the save wrote {expected['bytes']} bytes") from None
+    if stat.st_size != expected["bytes"]:      # cheap, before hashing
+        raise corrupt(path, f"it has {stat.st_size} bytes, the save wrote {expected['bytes']}")
+    stamp = (stat.st_size, stat.st_mtime_ns, expected[ALGORITHM])
+    seen = _Verified.files
+    if seen is not None and seen.get(path) == stamp:
+        return
+    why = _mismatch(expected, file_checksum(path))
     if why:
         raise corrupt(path, why)
+    if seen is not None:
+        seen[path] = stamp
 
 
-def _write_manifest(directory: str, files: dict) -> None:
+def write_manifest(directory: str, files: dict) -> None:
+    """Write ``directory``'s manifest for ``files`` ({name: checksum}): temporary file, fsync,
+    rename, fsync of the directory. Last of a save: it marks the directory complete."""
     path = os.path.join(directory, MANIFEST)
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
@@ -146,7 +220,8 @@ def write_directory_manifest(directory, group=None) -> None:
     rank 0 writes the manifest last, so it still marks a complete checkpoint."""
     directory = os.fspath(directory)
     names = [n for n in os.listdir(directory) if n.endswith(".distcp") or n == METADATA_FILE]
-    mine = {name: file_checksum(os.path.join(directory, name)) for name in _round_robin(names, group)}
+    share = _round_robin(names, group)
+    mine = dict(zip(share, in_parallel(file_checksum, [os.path.join(directory, name) for name in share])))
     everyone: list = [None] * dist.get_world_size(group)
     before_collective(group, "all_gather_object", "write_directory_manifest: checksums")
     dist.all_gather_object(everyone, mine, group=group)
@@ -154,7 +229,7 @@ def write_directory_manifest(directory, group=None) -> None:
         files: dict = {}
         for part in everyone:
             files.update(part)
-        _write_manifest(directory, files)
+        write_manifest(directory, files)
     before_collective(group, "barrier", "write_directory_manifest: written")
     dist.barrier(group=group)
 
@@ -170,16 +245,79 @@ def verify_directory(directory, group=None) -> None:
     error = None
     try:
         manifest = read_manifest(directory)
-        for name in _round_robin(list(manifest or ()), group):
-            verify_file(directory, name, manifest)
+        in_parallel(lambda name: verify_file(directory, name, manifest), _round_robin(list(manifest or ()), group))
     except ValueError as exc:              # CheckpointCorruptError, or a manifest of another format
         error = exc
     raise_on_every_rank(group, error, f"verifying checkpoint {directory!r}", "verify_directory: checksums checked")
 
 
+class _HashingStream(io.RawIOBase):
+    """A file DCP writes, digesting every byte on its way to the file (DCP only appends)."""
+
+    raw: io.IOBase
+    digest: "hashlib._Hash"
+    size: int
+
+    def __init__(self, raw) -> None:
+        super().__init__()
+        self.raw, self.digest, self.size = raw, hashlib.new(ALGORITHM), 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        self.digest.update(view)          # hashlib releases the GIL for large updates
+        self.size += view.nbytes
+        return self.raw.write(view)
+
+    def tell(self) -> int:
+        return self.raw.tell()
+
+    def fileno(self) -> int:
+        return self.raw.fileno()
+
+    def flush(self) -> None:
+        if not self.raw.closed:
+            self.raw.flush()
+
+    def close(self) -> None:
+        super().close()                   # flushes
+        self.raw.close()
+
+    def checksum(self) -> dict:
+        return {ALGORITHM: self.digest.hexdigest(), "bytes": self.size}
+
+
+class _HashingFileSystem(FileSystem):
+    """DCP's ``FileSystem`` whose shard-file streams digest what is written (see the note)."""
+
+    digests: dict                        # file name -> checksum, filled by the writer threads
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.digests = {}
+
+    @contextmanager
+    def create_stream(self, path, mode: str):
+        with super().create_stream(path, mode) as stream:
+            if mode != "wb" or not os.fspath(path).endswith(".distcp"):
+                yield stream
+                return
+            hashing = _HashingStream(stream)
+            yield hashing
+            self.digests[os.path.basename(os.fspath(path))] = hashing.checksum()
+
+
 class ChecksummedFileSystemWriter(FileSystemWriter):
     """DCP's ``FileSystemWriter`` that also writes ``.checksums.json`` (see the note at the top):
-    ``dcp.save(sd, storage_writer=ChecksummedFileSystemWriter(path))``. Same arguments."""
+    ``dcp.save(sd, storage_writer=ChecksummedFileSystemWriter(path))``. Same arguments;
+    ``thread_count`` writes that many files per rank in parallel (``io_threads`` picks it for
+    ``save_checkpoint``)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.fs = _HashingFileSystem()
 
     def set_up_storage_writer(self, is_coordinator: bool, *args, **kwargs) -> None:
         super().set_up_storage_writer(is_coordinator, *args, **kwargs)
@@ -188,10 +326,12 @@ class ChecksummedFileSystemWriter(FileSystemWriter):
                              "collectives; got use_collectives=False.")
 
     def write_data(self, plan, planner) -> Future:
+        self.fs.digests.clear()
         written = super().write_data(plan, planner)
         results = list(written.value())
-        files = sorted({result.storage_data.relative_path for result in results})
-        digests = {name: file_checksum(self.fs.concat_path(self.path, name)) for name in files}
+        files = {result.storage_data.relative_path for result in results} | set(self.fs.digests)
+        digests = {name: self.fs.digests.get(name) or file_checksum(self.fs.concat_path(self.path, name))
+                   for name in sorted(files)}
         done: Future = Future()
         done.set_result(results + [WriteResult(index=MetadataIndex(_DIGESTS_FQN), size_in_bytes=0,
                                                storage_data=digests)])
@@ -207,4 +347,4 @@ class ChecksummedFileSystemWriter(FileSystemWriter):
             kept.append([result for result in rank_results if result.index.fqn != _DIGESTS_FQN])
         super().finish(metadata, kept)
         files[METADATA_FILE] = file_checksum(self._get_metadata_path())
-        _write_manifest(os.fspath(self.path), files)
+        write_manifest(os.fspath(self.path), files)

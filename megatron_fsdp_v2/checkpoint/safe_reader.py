@@ -27,7 +27,15 @@ Storage paths in ``.metadata`` must be plain file names inside the directory (no
 checked in ``prepare_local_plan``. DCP runs that on every rank inside its planning collective,
 before any tensor is read, and re-raises a failure of any rank on every rank (as a
 ``CheckpointException``). So a corrupt file stops the load everywhere before the state dict is
-touched. A file is checked once per reader (``reset`` forgets). With ``.checksums.json``
+touched. A file is checked once per reader (``reset`` forgets; within integrity.py's
+``verification_scope``, once per load across readers), the files of a plan in parallel (one
+thread per file: sha256 is serial within a file, integrity.py's ``io_threads`` writes a large
+rank's state as several files). The check reads each file once before the data is read, which
+then comes from the page cache: verifying while reading would touch the state dict before a
+corrupt file is found, or hold a whole file in memory until it is. ``.metadata`` is read,
+checked and unpickled once per reader (DCP asks for it at every step of a load). With a planner
+that keeps DCP's default ``resolve_tensor`` and ``commit_tensor`` (``load_checkpoint``'s), the
+files are read in parallel too. With ``.checksums.json``
 (integrity.py), each file's size and sha256 must match it. Without one (a checkpoint
 written by a plain ``FileSystemWriter``), each file must at least be long enough for the data
 ``.metadata`` places in it. ``require_checksums=True`` refuses a checkpoint without a manifest.
@@ -52,7 +60,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.futures import Future
 
 from .errors import CheckpointCorruptError, UnsafeCheckpointError, corrupt
-from .integrity import MANIFEST, read_manifest, verify_file
+from .integrity import MANIFEST, in_parallel, read_manifest, verify_file
 
 __all__ = ["SafeFileSystemReader", "TensorsOnlyLoadPlanner", "UnsafeCheckpointError"]
 
@@ -103,6 +111,15 @@ def _call_planner(method, *args):
         return method(*args)
     except Exception as exc:  # noqa: BLE001 - re-raised unchanged by read_data
         raise _PlannerError(exc) from exc
+
+
+def _reads_in_parallel(planner) -> bool:
+    """Files may be read by several threads when the planner only looks tensors up and keeps
+    nothing per read (DCP's own ``resolve_tensor`` / ``commit_tensor``; Megatron's planner keeps
+    state in both)."""
+    cls = type(planner)
+    return (getattr(cls, "resolve_tensor", None) is DefaultLoadPlanner.resolve_tensor
+            and getattr(cls, "commit_tensor", None) is DefaultLoadPlanner.commit_tensor)
 
 
 def _keeps_default_load_bytes(planner) -> bool:
@@ -164,6 +181,7 @@ class SafeFileSystemReader(FileSystemReader):
     def _forget(self) -> None:
         self._manifest: Optional[dict] = None
         self._manifest_read = False
+        self._metadata: dict = {}        # .metadata path -> Metadata, as read and checked once
         self._verified: set = set()
         self._extents: dict = {}
 
@@ -185,6 +203,12 @@ class SafeFileSystemReader(FileSystemReader):
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
         path = self._get_metadata_path(kwargs.get("rank"))
+        cached = self._metadata.get(os.fspath(path))
+        if cached is None:
+            cached = self._metadata[os.fspath(path)] = self._read_metadata(path)
+        return cached
+
+    def _read_metadata(self, path) -> Metadata:
         with self.fs.create_stream(path, "rb") as stream:
             data = stream.read()
         manifest = self.manifest()
@@ -217,16 +241,20 @@ class SafeFileSystemReader(FileSystemReader):
     def _verify(self, names) -> None:
         """Check the files ``names`` (see [Note: verified before it is read])."""
         manifest = self.manifest()
-        for name in sorted(set(names) - self._verified):
+
+        def check(name: str) -> None:
             if manifest is not None:
                 verify_file(self.path, name, manifest)
-            else:
-                path = os.fspath(self.fs.concat_path(self.path, name))
-                size = os.path.getsize(path) if os.path.exists(path) else None
-                if size is None or size < self._extents[name]:
-                    raise corrupt(path, "it does not exist" if size is None else
-                                  f"it has {size} bytes, .metadata places data up to byte {self._extents[name]}")
-            self._verified.add(name)
+                return
+            path = os.fspath(self.fs.concat_path(self.path, name))
+            size = os.path.getsize(path) if os.path.exists(path) else None
+            if size is None or size < self._extents[name]:
+                raise corrupt(path, "it does not exist" if size is None else
+                              f"it has {size} bytes, .metadata places data up to byte {self._extents[name]}")
+
+        todo = sorted(set(names) - self._verified)
+        in_parallel(check, todo)
+        self._verified.update(todo)
 
     def _files(self, items) -> dict:
         by_file = defaultdict(list)
@@ -241,16 +269,24 @@ class SafeFileSystemReader(FileSystemReader):
     def read_data(self, plan, planner) -> Future:
         by_file = self._files(plan.items)
         self._verify(by_file)           # files a changed global plan added; normally all checked already
-        for name, items in by_file.items():
+
+        def read(name: str) -> None:
             path = os.fspath(self.fs.concat_path(self.path, name))
             try:
-                super().read_data(dataclasses.replace(plan, items=items), _VettedBytes(planner, path)).wait()
+                super(SafeFileSystemReader, self).read_data(dataclasses.replace(plan, items=by_file[name]),
+                                                            _VettedBytes(planner, path)).wait()
             except _PlannerError as exc:
                 raise exc.error from exc.error.__cause__
             except (UnsafeCheckpointError, CheckpointCorruptError):
                 raise
             except Exception as exc:  # noqa: BLE001 - torch.load / narrowing of damaged content
                 raise corrupt(path, f"reading it failed ({type(exc).__name__}: {exc})") from exc
+
+        if _reads_in_parallel(planner):
+            in_parallel(read, list(by_file))
+        else:
+            for name in by_file:
+                read(name)
         done: Future = Future()
         done.set_result(None)
         return done

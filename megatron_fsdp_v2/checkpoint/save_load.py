@@ -7,6 +7,7 @@ checksums: integrity.py; what a load never unpickles: safe_reader.py.
 from __future__ import annotations
 
 import os
+import weakref
 from collections import OrderedDict
 
 import torch
@@ -16,18 +17,20 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from . import commit as checkpoint_commit
-from .integrity import ChecksummedFileSystemWriter, CheckpointCorruptError
+from .background import SaveFuture, background_group, group_destroyed, submit, wait_for_pending_save
+from .integrity import ChecksummedFileSystemWriter, CheckpointCorruptError, io_threads
 from .collective_errors import gather_reports, raise_on_every_rank, raise_reported
 from .safe_reader import SafeFileSystemReader, TensorsOnlyLoadPlanner, UnsafeCheckpointError
+from .staging import HostStager
 
-from ..comm.ledger import before_collective
+from ..comm.ledger_registry import before_collective
 from ..wrap.experts import expert_names_refusal
 
 from .state_dict import (_CLASS_BYTES, CLASS_KEY, _decode_class, _missing_state, _model_shapes, _optimizer_mismatch,
                          _optimizer_params, _optimizer_targets, _raise_if_mismatched, _sharded_module, _torch_optimizer,
                          load_optimizer_state_dict, model_state_dict, optimizer_state_dict)
 
-__all__ = ["export_full_state_dict", "load_checkpoint", "save_checkpoint"]
+__all__ = ["async_save_checkpoint", "export_full_state_dict", "load_checkpoint", "save_checkpoint"]
 
 
 # ---------------------------------------------------------------- atomic save / load, export
@@ -36,22 +39,89 @@ def save_checkpoint(path: "str | os.PathLike", model, optimizer=None) -> None:
     rank 0 first recovers from any crash of an earlier save, every rank writes its shards into
     ``path.tmp`` (``.checksums.json`` last), then rank 0 puts ``path.tmp`` in place of ``path``.
     A crash at any point leaves the newest complete checkpoint loadable (commit.py,
-    [Note: committing a checkpoint directory]). A failure raises on every rank."""
+    [Note: committing a checkpoint directory]). A failure raises on every rank. An asynchronous
+    save in flight is waited for first."""
+    what = f"save_checkpoint({os.fspath(path)!r})"
+    model, path, group = _save_target(model, path, what)
+    _write_atomically(path, _state_to_save(model, optimizer), group, "save_checkpoint")
+
+
+def async_save_checkpoint(path: "str | os.PathLike", model, optimizer=None) -> SaveFuture:
+    """``save_checkpoint`` in the background: returns once this rank's state is copied into host
+    buffers (staging.py, [Note: staging a checkpoint in reused host buffers]); the write, the
+    checksums and the atomic commit then run on a writer thread, with collectives on a gloo group
+    of their own (background.py, [Note: collectives of a background save]). Returns a
+    ``concurrent.futures.Future``: ``result()`` waits and raises the save's error. Every promise
+    of ``save_checkpoint`` holds: a crash at any moment leaves the newest complete checkpoint
+    loadable, every file is checksummed, training after the call is unaffected (the write reads
+    only the copies). A save or load called while one is in flight waits for it first (raising its
+    error if nobody read it). Host memory: one buffer per tensor of this rank's state, allocated at
+    the first call and reused; GPU memory: none."""
+    what = f"async_save_checkpoint({os.fspath(path)!r})"
+    model, path, group = _save_target(model, path, what)
+    background, staged, error = None, None, None
+    try:
+        background = background_group(group)
+        staged = _stager_of(model).stage(_state_to_save(model, optimizer))
+    except Exception as exc:  # noqa: BLE001 - raised on every rank below, before the writer thread starts
+        error = exc
+    raise_on_every_rank(group, error, f"{what}: staging the state", "async_save_checkpoint: staged")
+    return submit(what, lambda: _write_in_background(path, staged, background, what))
+
+
+_STAGERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()    # model -> its HostStager
+
+
+def _stager_of(model) -> HostStager:
+    """The model's staging buffers: reused by its every asynchronous save, freed with the model."""
+    stager = _STAGERS.get(model)
+    if stager is None:
+        stager = _STAGERS[model] = HostStager()
+    return stager
+
+
+def _save_target(model, path, what: str) -> tuple:
+    """(the module, the path as a string, the checkpoint group), after the save in flight is done."""
     model = _sharded_module(model)
     if model._fsdp_engine.experts is not None:
-        raise expert_names_refusal("save_checkpoint")
-    path = os.fspath(path)
-    group = _checkpoint_group(model)
-    leader = dist.get_rank(group) == 0
-    _on_leader(group, leader, lambda: checkpoint_commit.recover(path),
-               f"save_checkpoint({path!r}): recovering from an earlier save",
-               "save_checkpoint: recovering from an earlier save")
+        raise expert_names_refusal(what.partition("(")[0])
+    wait_for_pending_save(what)
+    return model, os.fspath(path), _checkpoint_group(model)
+
+
+def _state_to_save(model, optimizer) -> "OrderedDict[str, torch.Tensor]":
     sd = OrderedDict((f"model.{k}", v) for k, v in model_state_dict(model).items())
     if optimizer is not None:
         sd.update((f"optimizer.{k}", v) for k, v in optimizer_state_dict(model, optimizer).items())
-    tmp = checkpoint_commit.tmp_dir(path)
+    return sd
+
+
+def _write_in_background(path: str, staged: dict, group, what: str) -> None:
+    """The writer thread's part of ``async_save_checkpoint``; a destroyed process group (its first
+    collective then fails) is named."""
     try:
-        dcp.save(sd, storage_writer=ChecksummedFileSystemWriter(tmp), process_group=group)
+        _write_atomically(path, staged, group, "async_save_checkpoint", staged=True)
+    except BaseException as exc:
+        if not group_destroyed(group):
+            raise
+        raise RuntimeError(f"{what}: the process group was destroyed before the save finished (wait for the "
+                           f"future's result() before torch.distributed.destroy_process_group()); {path!r} keeps "
+                           f"the newest complete checkpoint. ({type(exc).__name__}: {exc})") from exc
+
+
+def _write_atomically(path: str, sd: dict, group, call: str, staged: bool = False) -> None:
+    """Recover, write ``path.tmp``, commit (see ``save_checkpoint``), with ``group``'s collectives;
+    ``call`` names the caller in errors and in the group's ledger. ``staged``: ``sd`` is host
+    copies, so DCP's writer copies nothing ahead from a GPU (its copy-ahead loader would wait on
+    the device's default stream, i.e. on training, for every 10 MB)."""
+    leader = dist.get_rank(group) == 0
+    _on_leader(group, leader, lambda: checkpoint_commit.recover(path), f"{call}({path!r}): recovering from an earlier "
+               f"save", f"{call}: recovering from an earlier save")
+    tmp = checkpoint_commit.tmp_dir(path)
+    writer = ChecksummedFileSystemWriter(tmp, thread_count=io_threads(sd), **({"per_thread_copy_ahead": 0}
+                                                                              if staged else {}))
+    try:
+        dcp.save(sd, storage_writer=writer, process_group=group)
     except BaseException as exc:
         if leader:                 # DCP raised on every rank, after every rank stopped writing
             try:
@@ -59,11 +129,11 @@ def save_checkpoint(path: "str | os.PathLike", model, optimizer=None) -> None:
             except OSError:
                 pass               # incomplete (no manifest): the next save's recover deletes it
         if isinstance(exc, CheckpointException):    # a BaseException: `except Exception` would miss it
-            raise RuntimeError(f"save_checkpoint: writing {path!r} failed on ranks {sorted(exc.failures)}; the "
+            raise RuntimeError(f"{call}: writing {path!r} failed on ranks {sorted(exc.failures)}; the "
                                f"previous checkpoint there is intact. {exc}") from exc
         raise
-    _on_leader(group, leader, lambda: checkpoint_commit.commit(path),
-               f"save_checkpoint({path!r}): committing {tmp!r}", "save_checkpoint: committing")
+    _on_leader(group, leader, lambda: checkpoint_commit.commit(path), f"{call}({path!r}): committing {tmp!r}",
+               f"{call}: committing")
 
 
 def _checkpoint_group(model):
@@ -162,8 +232,9 @@ def load_checkpoint(path: "str | os.PathLike", model, optimizer=None) -> None:
     if model._fsdp_engine.experts is not None:
         raise expert_names_refusal("load_checkpoint")
     path = os.fspath(path)
-    group = _checkpoint_group(model)
     what = f"load_checkpoint({path!r})"
+    wait_for_pending_save(what)
+    group = _checkpoint_group(model)
     plan, error = None, None
     try:
         plan = _plan_load(path, model, optimizer)

@@ -34,7 +34,9 @@ from typing import Callable, NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
-from .ledger import CollectiveLedger, LedgerMode, ledger_and_mode
+from .flat_names import all_gather_single, reduce_scatter_single
+from .ledger import CollectiveLedger, LedgerMode
+from .ledger_registry import ledger_and_mode
 
 
 class PendingCollective(NamedTuple):
@@ -56,14 +58,6 @@ def wait_pending(pending: Optional[PendingCollective]) -> None:
 
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "all_to_all")
-
-# torch 2.13 renamed the flat-tensor collectives (all_gather_into_tensor -> all_gather_single,
-# reduce_scatter_tensor -> reduce_scatter_single) and the old names print a FutureWarning at every
-# call; older torch (2.11 on the GPU hosts) has only the old names. Every flat all-gather and
-# reduce-scatter of the package goes through these two.
-all_gather_single = dist.all_gather_single if hasattr(dist, "all_gather_single") else dist.all_gather_into_tensor
-reduce_scatter_single = (dist.reduce_scatter_single if hasattr(dist, "reduce_scatter_single")
-                         else dist.reduce_scatter_tensor)
 
 
 @dataclass

@@ -18,7 +18,8 @@ What the ledger then does depends on the backend, chosen by cost:
                default) it compares the ranks' rings through the c10d store and reports the first
                call where they differ, and arms the error for this rank's next collective of ours.
                A blocking check before every NCCL collective would add a host sync per
-               collective, more than the 1% of a step allowed (benchmarks/divergence_check_cost.py).
+               collective, more than the 1% of a step allowed (docs/benchmarks_history.md, "The
+               rank-divergence check's cost").
   fake         record only (one process plays one rank: nothing to compare).
 
 ``MEGATRON_FSDP_V2_CHECK_COLLECTIVES=1`` checks every collective on every backend (NCCL included: a
@@ -41,8 +42,9 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import _disable_current_modes
 
-__all__ = ["CHECK_ENV", "CollectiveLedger", "CollectiveMismatchError", "LedgerMode", "before_collective",
-           "ledger_and_mode", "ledger_for", "mode_for"]
+from .flat_names import all_gather_single
+
+__all__ = ["CHECK_ENV", "CollectiveLedger", "CollectiveMismatchError", "LedgerMode", "mode_for"]
 
 CHECK_ENV = "MEGATRON_FSDP_V2_CHECK_COLLECTIVES"
 RING = 4096                 # calls kept per group (a power of two) for the watchdog's comparison
@@ -98,7 +100,7 @@ def describe(call: Optional[tuple]) -> str:
 class CollectiveLedger:
     """One process group's record of the collectives this rank issued on it, and the check."""
 
-    _group: Optional["weakref.ref"]      # the group (weakly: the registry's key); None: the default group
+    _group: Optional["weakref.ref"]      # the group (weakly: ledger_registry.py's key); None: the default group
     group_name: str                      # torch's name of the group (keys in the c10d store)
     rank: int                            # this process's rank in the group
     size: int
@@ -146,8 +148,6 @@ class CollectiveLedger:
         every rank's call and the call before it, then the error on every rank. Python dispatch
         modes (a user's collective counter, a fake-tensor mode) do not see this bookkeeping: it is
         no collective of the model's."""
-        from .collectives import all_gather_single
-
         with _disable_current_modes():
             mine = torch.tensor([self.count, zlib.crc32(describe(call).encode())], dtype=torch.int64, device=device)
             everyone = torch.empty(2 * self.size, dtype=torch.int64, device=device)
@@ -181,35 +181,3 @@ def _object_device(ledger: CollectiveLedger) -> torch.device:
     """Where an exchange of Python objects (all_gather_object) puts its tensors: NCCL's current GPU."""
     backend = dist.get_backend(ledger.group)
     return torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
-
-
-_LEDGERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def ledger_for(group: Optional[dist.ProcessGroup]) -> CollectiveLedger:
-    """The one ledger of ``group`` (None: the default group) in this process, made at first use;
-    every Communicator and save / load exchange over the group shares it, so its sequence numbers
-    count every collective of ours on the group."""
-    key = group if group is not None else dist.distributed_c10d._get_default_group()
-    ledger = _LEDGERS.get(key)
-    if ledger is None:
-        ledger = _LEDGERS[key] = CollectiveLedger(group)
-    return ledger
-
-
-def ledger_and_mode(group: Optional[dist.ProcessGroup]) -> "tuple[CollectiveLedger, LedgerMode]":
-    """``group``'s ledger and the mode to use it in now; a recorded group of several ranks on a
-    backend with a store (not torch's fake one) gets the watchdog (watchdog.py)."""
-    ledger, mode = ledger_for(group), mode_for(group)
-    if mode is LedgerMode.RECORD and ledger.size > 1 and dist.get_backend(group) != "fake":
-        from .watchdog import watch
-        watch(ledger)
-    return ledger, mode
-
-
-def before_collective(group: Optional[dist.ProcessGroup], kind: str, label: str,
-                      tensor: Optional[torch.Tensor] = None) -> None:
-    """For a collective issued outside collectives.py (the save / load functions' exchanges): record it in
-    ``group``'s ledger and check it as the group's backend and the environment say."""
-    ledger, mode = ledger_and_mode(group)
-    ledger.before(kind, tensor, label, mode)

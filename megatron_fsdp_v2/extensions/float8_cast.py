@@ -6,7 +6,8 @@ torchao's ``WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather``, once
 high-precision shard in eager mode: ``hp.to(float32) * scale``, ``clamp(-max, max)``,
 ``.to(float8)``. That is three kernels and two float32 temporaries the size of the weight, at
 every gather (forward, and again in backward under ZeRO-3). On one H100 with issue 47's 8-layer
-Llama at one rank, those casts take about 27 ms of a 290 ms step (benchmarks/llama_profile.py).
+Llama at one rank, those casts take about 27 ms of a 290 ms step (docs/benchmarks_history.md, "HF
+Llama, float8 and compile").
 
 For exactly that class with a stored scale, on CUDA, we compute the same bytes with one compiled
 pointwise kernel: the same float32 multiply, the same clamp and the same round-to-nearest

@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-__all__ = ["TensorClass", "check_param_types", "has_protocol", "pre_all_gather"]
+__all__ = ["TensorClass", "check_param_types", "data_of", "has_protocol", "pre_all_gather", "set_data"]
 
 
 def has_protocol(tensor: torch.Tensor) -> bool:
@@ -103,6 +103,24 @@ class TensorClass:
         """A tensor of this class whose data is ``inner`` (our main shard): any other inner tensor
         of the original (a cached scale) is left out, to be computed again from the new data."""
         return self.cls.__tensor_unflatten__({self.data_name: inner}, self.context, inner.size(), inner.stride())
+
+
+def data_of(param: torch.Tensor) -> torch.Tensor:
+    """The plain tensor holding ``param``'s values: a protocol tensor's first inner tensor (its
+    data, ``TensorClass.data_name``), else ``param.data``."""
+    if has_protocol(param) and not isinstance(param, DTensor):
+        return getattr(param, TensorClass(param).data_name)
+    return param.data
+
+
+def set_data(param: torch.Tensor, values: torch.Tensor) -> None:
+    """Make ``values`` the tensor holding ``param``'s values from now on (what was there is freed
+    with its last reference). A protocol tensor keeps its data in a Python attribute, which
+    ``.data =`` does not reach: that attribute is set."""
+    if has_protocol(param) and not isinstance(param, DTensor):
+        setattr(param, TensorClass(param).data_name, values)
+    else:
+        param.data = values
 
 
 def pre_all_gather(local: torch.Tensor, mesh, orig_size: torch.Size, orig_stride: tuple, module: nn.Module,

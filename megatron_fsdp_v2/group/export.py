@@ -52,7 +52,7 @@ class GroupExport(GroupPart):
         if group.offloaded is not None:      # the host copy, this rank's rows already (offload/host_link.py)
             buffer = group.main_grad_buffer().to(group.device)
         else:
-            buffer = group._ensure_grads()   # every rank joins the gather, also one whose buffer was freed
+            buffer = group.ensure_grads()   # every rank joins the gather, also one whose buffer was freed
             if group.strategy.optim_sharded and not group.strategy.grads_sharded:
                 buffer = buffer[group.shard_start:group.shard_end]
         if not group.strategy.optim_sharded:

@@ -16,7 +16,7 @@ the holes the backward's transients leave. With the default CUDA allocator setti
 attention-score block is the best fit for the next 768 MiB gradient buffer: it is split, the next
 layer's 2 GiB request finds no block and the device fills with 512 MiB remainders (measured on
 one H200, issue-16 GPT at 38 layers: 12.5 GiB reserved but free at the out-of-memory point,
-benchmarks/fragmentation_snapshot.py). FSDP2 does not see this because its gradients are
+docs/benchmarks_history.md, "Largest model that trains"). FSDP2 does not see this because its gradients are
 reduce-scatter outputs allocated on its reduce-scatter stream, and the caching allocator keeps
 one pool of blocks per stream. So on an accelerator the buffers are allocated while a stream of
 their own is current (``gradient_pool_stream``): their blocks form a pool that only gradient
@@ -25,7 +25,7 @@ buffers reuse, of exactly their sizes. The buffer is used on the stream current 
 handed out before that stream's queued work on it is done. The price: the two pools cannot lend
 each other blocks, so free blocks of one stay reserved while the other grows (issue 47's Llama,
 bf16, one H100: 55.57 GiB reserved with the pool, 48.12 without it, at the same allocated peak;
-FSDP2 55.99; benchmarks/llama_without_gradient_pool.py). Before it reports out of memory the
+FSDP2 55.99; docs/benchmarks_history.md, "HF Llama, float8 and compile"). Before it reports out of memory the
 allocator gives back every cached segment with no block in use, so near the memory limit, where
 the pool helps, this reserve mostly goes back.
 

@@ -109,7 +109,7 @@ class TwoLevels(OneLevel):
         all-gather), owned by the group as its refresh in flight."""
         group = self.group
         group.wait_refresh()
-        group._pending_refresh = self._gather_across_replicas(self.inner_weights, async_op)
+        group.pending_refresh = self._gather_across_replicas(self.inner_weights, async_op)
 
     def before_unshard(self) -> None:
         """The inner shard must hold the last step's weights before a unit gathers from it."""
@@ -165,14 +165,14 @@ class TwoLevels(OneLevel):
         out = torch.empty(group.layout.shard_numel, dtype=inner_grad.dtype, device=group.device)
         replicas.reduce_scatter(out, inner_grad, label=f"grads of {group.name} across replicas")
         with torch.no_grad():
-            target = group._ensure_grads()
+            target = group.ensure_grads()
             if not group.strategy.grads_sharded:      # ZeRO-1: this rank's world shard of full_grad
                 target = target[group.shard_start:group.shard_end]
             target.add_(out, alpha=1.0 / replicas.size)
-            if group._stash is not None:              # the mean of an earlier backward of this step
-                target.add_(group._stash)
-                group._release_stash()
-            group._own_region_holds_mean = not group.strategy.grads_sharded
+            if group.stashed_mean is not None:        # the mean of an earlier backward of this step
+                target.add_(group.stashed_mean)
+                group.release_stashed_mean()
+            group.own_region_holds_mean = not group.strategy.grads_sharded
 
 
 def group_levels(group: "ParamGroup", communicators: Optional[HybridLevels]) -> OneLevel:

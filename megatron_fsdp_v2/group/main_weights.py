@@ -5,7 +5,8 @@ protocol), and moving the main weights to another home (the main segment, the ho
 parameters still viewing them. FSDP2 keeps the same in ``FSDPParam``'s sharded parameter.
 
 A part of ParamGroup (its ``main``); it writes the group's ``main_shard``, ``main_locals`` and
-``main_params`` and adds nothing.
+``main_params`` and adds nothing to the group; it keeps, for itself, the spec each piece faces the
+optimizer with (made once: the step's ``.grad`` views are wrapped with it every step).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn as nn
 
-from ..row_sharded import sharded_rows
+from ..row_sharded import RowsSpec, rows_spec, wrap_rows
 from .part import GroupPart
 
 if TYPE_CHECKING:
@@ -27,6 +28,12 @@ __all__ = ["MainWeights"]
 class MainWeights(GroupPart):
     """The main weights' pieces and the optimizer's parameters viewing them."""
 
+    _specs: dict                  # (index, piece shape, dtype) -> RowsSpec: how a piece faces the optimizer
+
+    def __init__(self, group: "ParamGroup") -> None:
+        super().__init__(group)
+        self._specs = {}
+
     def make_params(self) -> None:
         """main_locals: this rank's pieces as plain tensors (what the engine reads and writes);
         main_params: the same memory as the optimizer sees it (DTensors can not be re-pointed
@@ -35,13 +42,16 @@ class MainWeights(GroupPart):
         group.main_locals = []
         group.main_params = [self._make_param(i) for i in range(len(group.params))]
 
-    def own_values_buffer(self) -> torch.Tensor:
+    def own_values_buffer(self, device: torch.device, from_values: bool = True) -> torch.Tensor:
         """This rank's main weights (its shard, or the whole buffer) taken from the parameters in
-        a new buffer; padding is zero. Built piece by piece: no full-size temporary of the group."""
+        a new buffer on ``device`` (main_segment.py's ``build_device``); padding is zero, and all of
+        it without ``from_values`` (parameters still on meta). Built piece by piece: no full-size
+        temporary of the group."""
         group = self.group
-        main = torch.empty(self.numel, dtype=group.dtypes.main, device=group.device)
+        main = torch.zeros(self.numel, dtype=group.dtypes.main, device=device)
+        if not from_values:
+            return main
         with torch.no_grad():
-            main.zero_()
             for index, param in enumerate(group.params):
                 piece = self.view(main, index)
                 piece.copy_(self._own_values(index, param).view(piece.shape))
@@ -93,8 +103,12 @@ class MainWeights(GroupPart):
         group = self.group
         if group.mesh is None:
             return local
-        shape = tuple(group.shapes[index]) or (1,)
-        return sharded_rows(local, group.mesh, shape, group.layout.row_splits(index), requires_grad)
+        key = (index, local.shape, local.dtype)
+        made: RowsSpec = self._specs.get(key)
+        if made is None:
+            shape = tuple(group.shapes[index]) or (1,)
+            made = self._specs[key] = rows_spec(local, group.mesh, shape, group.layout.row_splits(index))
+        return wrap_rows(made, local, requires_grad)
 
     def _make_param(self, index: int) -> nn.Parameter:
         group = self.group

@@ -123,7 +123,7 @@ class GroupOffload(GroupPart):
                 group.model_weights.copy_(group.main_shard)
             return
         group.offloaded.upload(group.main_shard, group.model_weights, self._version_now())
-        group._pending_refresh = PendingCollective(None, group.offloaded.wait_upload)
+        group.pending_refresh = PendingCollective(None, group.offloaded.wait_upload)
 
     def host_bytes(self) -> dict:
         """Bytes this group keeps in host memory (offloaded groups only); ``host_grad_staging``: ZeRO-2/3's

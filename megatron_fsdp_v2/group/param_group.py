@@ -33,8 +33,10 @@ from .export import GroupExport
 from .offload import GroupOffload
 from .reduce import GroupReduce
 from .unreduced_grads import UnreducedGrads
+from ..extensions.protocol import set_data
 from ..extensions.weights import ExtensionWeights
 from .layout import FlatLayout, build_layout
+from .main_segment import build_device
 from .main_weights import MainWeights
 from .levels import OneLevel, group_levels
 from ..offload.host_link import OffloadedGroup
@@ -82,18 +84,18 @@ class ParamGroup:
     _weights_key: tuple[str, str]        # allocator key of ZeRO-3's gathered compute weights
     _gathered_key: tuple[str, str]       # allocator key of the rank-major gather (per-parameter shards)
     _pending_unshard: Optional[PendingCollective]   # ZeRO-3's weight gather in flight
-    _pending_refresh: Optional[PendingCollective]   # ZeRO-1/2's (HFSDP: the inner shard's) refresh in flight
+    pending_refresh: Optional[PendingCollective]    # ZeRO-1/2's (HFSDP: the inner shard's) refresh in flight
 
     # -- grads
     grads: GradBuffer                    # full_grad or grad_shard (grad_buffer.py)
-    _unreduced: UnreducedGrads           # ZeRO-2/3: this backward's gradients, not yet reduced
+    unreduced_grads: UnreducedGrads      # ZeRO-2/3: this backward's gradients, not yet reduced
     grads_ready: list[bool]              # per parameter: got this backward's gradient
     got_grad: list[bool]                 # per parameter: got a gradient on this rank since the last zeroing
     trainable: list[bool]                # per parameter: requires_grad at the last forward
     reduced: list[bool]                  # per parameter: trainable at any forward since the last zeroing
-    _own_region_holds_mean: bool         # ZeRO-1: this rank's region of full_grad holds a reduced mean
-    _stash_key: tuple[str, str]          # allocator key of _stash
-    _stash: Optional[torch.Tensor]       # ZeRO-1: that mean, set aside while a further backward accumulates
+    own_region_holds_mean: bool          # ZeRO-1: this rank's region of full_grad holds a reduced mean
+    _stash_key: tuple[str, str]          # allocator key of stashed_mean
+    stashed_mean: Optional[torch.Tensor] # ZeRO-1: that mean, set aside while a further backward accumulates
 
     # -- the group's parts
     main: MainWeights                    # the main weights' pieces and the optimizer's parameters (main_weights.py)
@@ -103,7 +105,7 @@ class ParamGroup:
     exporter: GroupExport                # persistent bytes, whole weights and grads on every rank (export.py)
 
     # -- reduce (reduce.py)
-    _comm_key: tuple[str, str]           # allocator key of the reduce input
+    comm_key: tuple[str, str]            # allocator key of the reduce input
     has_unreduced_grads: bool            # gradients accumulated since the last reduce
     reduced_this_backward: bool          # the group reduced during this backward
     awaiting_replica_reduce: bool        # hybrid sharding: reduced here, not yet averaged across replicas
@@ -173,14 +175,14 @@ class ParamGroup:
         )
         self._weights_key = (name, "model_weights")
         self._gathered_key = (name, "gathered_weights")    # per-parameter shards: the rank-major gather
-        self._comm_key = (name, "comm_grad")
+        self.comm_key = (name, "comm_grad")
         # The one owner of each kind of weight collective in flight: ZeRO-3's gather into a
         # temporary buffer, or ZeRO-1/2's refresh of the persistent replicated weights. (Gradient
         # reduces in flight are owned by the engine: ``reduce_grad`` returns them.)
         self._pending_unshard: Optional[PendingCollective] = None
-        self._pending_refresh: Optional[PendingCollective] = None
+        self.pending_refresh: Optional[PendingCollective] = None
         self.is_unsharded = False
-        self._unreduced = UnreducedGrads(len(self.params))      # ZeRO-2/3: this backward's, not yet reduced
+        self.unreduced_grads = UnreducedGrads(len(self.params))   # ZeRO-2/3: this backward's, not yet reduced
         self.grads_ready = [False] * len(self.params)
         # got_grad: which parameters received a gradient on this rank since the grads were last
         # zeroed (a parameter none of the ranks used gets ``.grad = None``, as torch DDP gives).
@@ -200,9 +202,9 @@ class ParamGroup:
         # must not reduce that mean again (it would be divided by dp once more): it moves to a
         # shard-sized temporary (``_stash_key``) and is added back to the next reduce's result,
         # which is how ZeRO-2 accumulates, so the two agree bitwise.
-        self._own_region_holds_mean = False
+        self.own_region_holds_mean = False
         self._stash_key = (name, "reduced_grad_stash")
-        self._stash: Optional[torch.Tensor] = None
+        self.stashed_mean: Optional[torch.Tensor] = None
         # The gradient buffer (full_grad or grad_shard; grad_buffer.py)
         grads_numel = self.layout.shard_numel if strategy.grads_sharded else self.layout.total_numel
         self.grads = GradBuffer(grads_numel, dtypes.grad, device)
@@ -216,10 +218,15 @@ class ParamGroup:
     def _init_buffers(self, offload=None, main_segment: bool = False, from_meta: bool = False) -> None:
         dt = self.dtypes
         # main_segment: the main shard moves into the rank's main segment once every group is built
-        # (main_segment.py); the main parameters are made after that move (``main.make_params``).
-        # From meta the values come later (wrap/meta_init.py): no buffer before the segment's.
+        # (main_segment.py, built where ``build_device`` says); the main parameters are made after
+        # that move (``main.make_params``). From meta the values come later (wrap/meta_init.py): no
+        # buffer before the segment's, and a zeroed one (no values to read) outside it.
         self.main_in_segment = main_segment and offload is None
-        self.main_shard = None if self.main_in_segment and from_meta else self.main.own_values_buffer()
+        if self.main_in_segment and from_meta:
+            self.main_shard = None
+        else:
+            built_on = build_device(self.device, self.comm.size) if self.main_in_segment else self.device
+            self.main_shard = self.main.own_values_buffer(built_on, from_values=not from_meta)
         self.compute_weights_are_main_weights = (not self.strategy.optim_sharded and dt.compute == dt.main
                                                  and self.extension is None)
         if offload is not None:          # main shard to the host (group/offload.py)
@@ -227,6 +234,9 @@ class ParamGroup:
         if self.extension is not None:   # compute weights made by the parameters' class, after the wrap
             self.model_weights = None
             self.is_unsharded = not self.strategy.weights_sharded
+            if not from_meta:            # made from the main weights: the originals are not read again
+                for param in self.params:
+                    set_data(param, torch.empty(0, dtype=param.dtype, device=self.device))
         elif self.strategy.weights_sharded:
             self.model_weights = None
             for param in self.params:
@@ -250,7 +260,7 @@ class ParamGroup:
         # offloaded ZeRO-2/3 group's reduced gradients live on the host.
         if self.requires_grad and (not self.strategy.grads_sharded
                                    or (self.grads.persistent and self.offloaded is None)):
-            self._ensure_grads()
+            self.ensure_grads()
 
     @property
     def grads_allocated_later(self) -> bool:
@@ -269,12 +279,12 @@ class ParamGroup:
         """ZeRO-2/3: this rank's reduced-gradient shard (None while released, or frozen)."""
         return self.grads.live() if self.strategy.grads_sharded else None
 
-    def _ensure_grads(self, zeroed: bool = True) -> torch.Tensor:
+    def ensure_grads(self, zeroed: bool = True) -> torch.Tensor:
         """The gradient buffer, held strongly again; a zeroed one if it was freed (``zeroed=False``:
         uninitialized, for a reduce that overwrites all of it)."""
         buffer, fresh = self.grads.ensure(zeroed)
         if fresh:
-            self._own_region_holds_mean = False
+            self.own_region_holds_mean = False
         return buffer
 
     def repoint_param(self, index: int) -> None:
@@ -299,7 +309,7 @@ class ParamGroup:
             return
         if self.extension is not None and not self.strategy.weights_sharded:
             self.wait_refresh()
-            self._pending_refresh = self.extension.refresh(self, async_op)
+            self.pending_refresh = self.extension.refresh(self, async_op)
             return
         if self.strategy.weights_sharded:
             self.levels.refresh_inner_shard(async_op)        # HFSDP: by one outer all-gather
@@ -308,7 +318,7 @@ class ParamGroup:
             # A refresh still in flight writes into the same buffer (two optimizers stepping before
             # the next forward each start one): finish it before this one overwrites it.
             self.wait_refresh()
-            self._pending_refresh = self._refresh_replicated(async_op)
+            self.pending_refresh = self._refresh_replicated(async_op)
         else:
             self.offloading.refresh_whole_weights()
 
@@ -390,7 +400,7 @@ class ParamGroup:
         _wait(pending)
 
     def wait_refresh(self) -> None:
-        pending, self._pending_refresh = self._pending_refresh, None
+        pending, self.pending_refresh = self.pending_refresh, None
         _wait(pending)
 
     def reshard(self) -> None:
@@ -434,23 +444,23 @@ class ParamGroup:
     @property
     def holds_unreduced_grads(self) -> bool:
         """ZeRO-2/3: some of this backward's gradients wait for the group's reduce."""
-        return self.strategy.grads_sharded and self._unreduced.any()
+        return self.strategy.grads_sharded and self.unreduced_grads.any()
 
     def accumulate_grad(self, index: int, grad: torch.Tensor) -> None:
         """Take one parameter's fresh gradient: ZeRO-2/3 keep it as is until the group reduces
         (unreduced_grads.py); DDP/ZeRO-1 add it into the persistent full-size buffer."""
         if self.strategy.grads_sharded:
-            self._unreduced.add(index, grad)
+            self.unreduced_grads.add(index, grad)
         else:
-            full = self._ensure_grads()
-            if self._own_region_holds_mean:
+            full = self.ensure_grads()
+            if self.own_region_holds_mean:
                 start, end = self.layout.shard_range(self.comm.rank)
                 stash = self.allocator.allocate(self._stash_key, end - start, full.dtype, self.device)
                 with torch.no_grad():
                     stash.copy_(full[start:end])
                     full[start:end].zero_()
-                self._stash = stash
-                self._own_region_holds_mean = False
+                self.stashed_mean = stash
+                self.own_region_holds_mean = False
             self._add_to_full_grad(full, index, grad)
         self.grads_ready[index] = True
         self.got_grad[index] = True
@@ -480,23 +490,24 @@ class ParamGroup:
         if self.offloaded is not None:
             self.offloaded.flush()
         with torch.no_grad():
-            for buffer in (self.full_grad, self.grad_shard, self._stash, self.levels.inner_grad,
+            for buffer in (self.full_grad, self.grad_shard, self.stashed_mean, self.levels.inner_grad,
                            self.offloaded.grad if self.offloaded is not None else None):
                 if buffer is not None:
                     buffer.mul_(factor)
 
-    def _release_stash(self) -> None:
+    def release_stashed_mean(self) -> None:
+        """ZeRO-1: free the set-aside mean once it is back in this rank's region (reduce.py, levels.py)."""
         self.allocator.free(self._stash_key)
-        self._stash = None
+        self.stashed_mean = None
 
     def discard_backward_state(self) -> None:
         """Forget a backward that raised: free its temporaries and its readiness bookkeeping
         (pending collectives must have been waited for)."""
-        for key in (self._comm_key, self._stash_key):
+        for key in (self.comm_key, self._stash_key):
             if self.allocator.is_live(key):
                 self.allocator.free(key)
-        self._stash = self.levels.inner_grad = None
-        self._unreduced.clear()
+        self.stashed_mean = self.levels.inner_grad = None
+        self.unreduced_grads.clear()
         self.grads_ready = [False] * len(self.params)
         self.has_unreduced_grads = False
         self.reduced_this_backward = False
@@ -528,7 +539,7 @@ class ParamGroup:
         # under no_sync: the inner reduces wait for the outer one) comes back zeroed, so every
         # .grad is attached and a later zero_grad detection sees no stale None
         if self.offloaded is None:
-            self._ensure_grads()
+            self.ensure_grads()
         buffer = self.main_grad_buffer()
         for index, main in enumerate(self.main_params):
             if not self.reduced[index]:         # frozen since wrapping, all step: no gradient, as torch gives
@@ -556,8 +567,8 @@ class ParamGroup:
         ``persistent_grads`` the buffer is let go rather than zeroed, so a ``.grad`` tensor the user
         kept from before keeps its values, as torch's would; the next gradient gets a new buffer."""
         self.levels.inner_grad = None
-        if self._stash is not None:
-            self._release_stash()
+        if self.stashed_mean is not None:
+            self.release_stashed_mean()
         if release:
             self.grads.let_go()
         with torch.no_grad():
@@ -568,7 +579,7 @@ class ParamGroup:
             self.offloaded.zero()
         self.has_unreduced_grads = False
         self.awaiting_replica_reduce = False
-        self._own_region_holds_mean = False
+        self.own_region_holds_mean = False
         self.grads_ready = [False] * len(self.params)
         self.got_grad = [False] * len(self.params)
         self.reduced = list(self.trainable)

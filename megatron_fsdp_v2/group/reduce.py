@@ -54,13 +54,13 @@ class GroupReduce(GroupPart):
         since the accumulation began, runtime/requires_grad_sync.py). Their ``.grad`` stays None; ZeRO-1
         puts back the mean an earlier backward of the step left in its region."""
         group = self.group
-        group._unreduced.clear()
-        if group._stash is not None:
+        group.unreduced_grads.clear()
+        if group.stashed_mean is not None:
             start, end = group.layout.shard_range(group.comm.rank)
             with torch.no_grad():
-                group.full_grad[start:end].copy_(group._stash)
-            group._release_stash()
-            group._own_region_holds_mean = True
+                group.full_grad[start:end].copy_(group.stashed_mean)
+            group.release_stashed_mean()
+            group.own_region_holds_mean = True
         group.has_unreduced_grads = False
         group.grads_ready = [False] * len(group.params)
 
@@ -93,7 +93,7 @@ class GroupReduce(GroupPart):
         into_shard = (group.strategy.grads_sharded and group.grads.live() is None and pack is None
                       and group.dtypes.grad == full.dtype and group.offloaded is None)
         # (a new buffer is left uninitialized: the reduce-scatter writes every element of it)
-        shard_out = (group._ensure_grads(zeroed=False) if into_shard else torch.empty(
+        shard_out = (group.ensure_grads(zeroed=False) if into_shard else torch.empty(
             group.layout.shard_numel if pack is None else pack.chunk, dtype=full.dtype, device=group.device))
         work = group.comm.reduce_scatter(shard_out, full, async_op=True, label=f"grads of {group.name}",
                                         splits=None if pack is None else pack.splits)
@@ -103,7 +103,7 @@ class GroupReduce(GroupPart):
                 release_input()
                 if pack is not None and group.strategy.grads_sharded and group.offloaded is None:
                     # added straight into this rank's rows (0 + x * (1 / f): as into_shard gives it)
-                    pack.scatter_own(shard_out, group._ensure_grads(), add=True, alpha=1.0 / divide_factor)
+                    pack.scatter_own(shard_out, group.ensure_grads(), add=True, alpha=1.0 / divide_factor)
                 elif into_shard:                    # as the add in _land_shard would give it: x * (1 / f)
                     if divide_factor != 1:          # one rank (or a sum asked for): x * 1 is x, no pass over it
                         shard_out.mul_(1.0 / divide_factor)
@@ -118,7 +118,7 @@ class GroupReduce(GroupPart):
         if group.offloaded is not None and group.strategy.grads_sharded:
             group.offloaded.land_grads(shard_out, 1.0 / divide_factor, overwrite=False)
         elif group.strategy.grads_sharded:
-            shard = group._ensure_grads()
+            shard = group.ensure_grads()
             shard.add_(shard_out.to(shard.dtype), alpha=1.0 / divide_factor)
         else:
             # Other ranks' regions hold this rank's unreduced sums, which nobody reads;
@@ -128,14 +128,14 @@ class GroupReduce(GroupPart):
             group.full_grad[:start].zero_()
             group.full_grad[end:].zero_()
             own = group.full_grad[start:end]
-            if group._stash is None:
+            if group.stashed_mean is None:
                 own.copy_(shard_out)
                 if divide_factor != 1:
                     own.div_(divide_factor)
             else:
-                own.copy_(group._stash).add_(shard_out, alpha=1.0 / divide_factor)
-                group._release_stash()
-            group._own_region_holds_mean = True
+                own.copy_(group.stashed_mean).add_(shard_out, alpha=1.0 / divide_factor)
+                group.release_stashed_mean()
+            group.own_region_holds_mean = True
             if group.offloaded is not None:
                 group.offloaded.land_grads(own, 1.0, overwrite=True)
 
@@ -188,14 +188,14 @@ class GroupReduce(GroupPart):
         if not group.strategy.grads_sharded and group.full_grad.dtype == comm_dtype and pack is None:
             return group.full_grad, lambda: None
         numel = group.layout.total_numel if pack is None else pack.numel
-        flat = group.allocator.allocate(group._comm_key, numel, comm_dtype, group.device)
+        flat = group.allocator.allocate(group.comm_key, numel, comm_dtype, group.device)
         if pack is not None and group.strategy.grads_sharded:
-            group._unreduced.write_packed(flat, pack.moves)
+            group.unreduced_grads.write_packed(flat, pack.moves)
         elif pack is not None:
             pack.pack_flat(flat, group.full_grad, group.layout)
         elif group.strategy.grads_sharded:
-            group._unreduced.write_into(flat, group.layout)
+            group.unreduced_grads.write_into(flat, group.layout)
         else:
             with torch.no_grad():
                 flat.copy_(group.full_grad)
-        return flat, lambda: group.allocator.free(group._comm_key)
+        return flat, lambda: group.allocator.free(group.comm_key)

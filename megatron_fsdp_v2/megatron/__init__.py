@@ -12,8 +12,9 @@
 * ``dist_checkpoint``: Megatron's ``dist_checkpointing`` (``--ckpt-format torch_dist``) for both:
   ``wrapper.sharded_state_dict()`` / ``optimizer.sharded_state_dict()`` and their ``load_state_dict``;
   ``save_dist_checkpoint`` / ``load_dist_checkpoint`` do both in one call.
-* ``save_checkpoint`` / ``load_checkpoint`` (``checkpoint/dcp_checkpoint.py``): the core's DCP checkpoints for the
-  wrapper and Megatron's optimizers (unwrapped to the ``fully_shard`` module and torch optimizer).
+* ``save_checkpoint`` / ``async_save_checkpoint`` / ``load_checkpoint`` (``checkpoint/dcp_checkpoint.py``): the
+  core's DCP checkpoints for the wrapper and Megatron's optimizers (unwrapped to the ``fully_shard``
+  module and torch optimizer).
 * ``load_fsdp_dtensor_checkpoint`` / ``save_fsdp_dtensor_checkpoint`` (``checkpoint/fsdp_dtensor_format.py``):
   Megatron-FSDP's ``--ckpt-format fsdp_dtensor``; ``detect_checkpoint_format`` (``checkpoint/checkpoint_format.py``).
 
@@ -31,6 +32,7 @@ _EXPORTS = {
     "FullyShardedDataParallel": "adapter",
     "WeightRefreshForMegatronOptimizer": "adapter",
     "ORIGINAL_SHAPE_ATTR": "adapter",
+    "async_save_checkpoint": "checkpoint.dcp_checkpoint",
     "checkpoint_targets": "checkpoint.dcp_checkpoint",
     "check_ddp_config": "settings",
     "check_optimizer_config": "settings",

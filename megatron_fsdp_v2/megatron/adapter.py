@@ -37,6 +37,8 @@ experts (``allreduce=False``; ``--num-experts``,   ``expert_process_group``: Meg
 ``calculate_per_token_loss``                       grads are DP means; ``scale_gradients`` (called
                                                    by ``finalize_model_grads`` with 1/tokens)
                                                    multiplies by the DP size to give Megatron's sums
+``config.cuda_graph_impl="full_iteration"`` (or    the engine runs ``capture_safe`` (below, [Note:
+``megatron_fsdp_cuda_graph_mode``)                 Megatron's full-iteration CUDA graph])
 =================================================  ===============================================
 
 Every field of ``DistributedDataParallelConfig`` is honoured, refused or warned about (once) as
@@ -48,6 +50,27 @@ DDP wrapper) but never runs its buffer-building ``__init__``: it initialises
 ``_BaseDataParallel`` and keeps Megatron's DDP bookkeeping lists (``buffers``, ``bucket_groups``,
 ...) empty. Every member the training loop, ``finalize_model_grads``, the schedules and the
 optimizer call is overridden here.
+
+[Note: Megatron's full-iteration CUDA graph]
+With ``--cuda-graph-impl full_iteration`` Megatron-LM's ``FullCudaGraphWrapper`` runs
+``forward_backward_func`` eagerly for ``cuda_graph_warmup_steps`` iterations, then captures it (the
+k micro-batches' forward and backward and ``finalize_model_grads``, i.e. ``finish_grad_sync``) and
+replays it; ``zero_grad_buffer()``, ``optimizer.zero_grad()`` and ``optimizer.step()`` stay eager.
+So nothing eager may leave a collective in flight that the captured forward waits on (the capture
+fails), and the tensors the graph writes must keep their addresses:
+* the engine runs ``capture_safe`` (graphs/requirements.py, [Note: what a captured step needs]):
+  ZeRO-1/2's weight all-gather after the step, and ``start_param_sync`` /
+  ``copy_main_weights_to_model_weights`` here, land before ``optimizer.step()`` returns; ZeRO-3
+  gathers its weights inside the captured forward, from the main shards the step updated in place;
+* gradients persist (``persistent_grads=True``): ``zero_grad_buffer()`` zeroes them in place, and
+  with the graph ``get_optimizer``'s ``FP32Optimizer`` leaves (SGD, Muon) zero ``.grad`` in place
+  instead of setting it to None (the replay writes the tensors the capture attached, with no Python
+  to attach new ones);
+* what reads the host during the step is refused: ``check_for_nan_in_grad``, CPU offload
+  (settings.py), ``MEGATRON_FSDP_V2_CHECK_COLLECTIVES=1``; so are Megatron's per-layer graphs
+  (``local``, ``transformer_engine``: wrap_settings.py) and ``--optimizer-cuda-graph``.
+Under replay no Python of ours runs: ``comm_stats()`` counts the eager warm-up iterations and the
+capture, not the replays, and the rank-divergence ledger sees no new collectives.
 
 ``named_parameters()`` yields the *optimizer-facing* main weights (this rank's fp32 shard: its rows
 ``[rows_here, *shape[1:]]`` as plain tensors for the sharded strategies), named ``module.<original name>`` like Megatron's DDP, with
@@ -76,6 +99,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from ..checkpoint.state_dict import model_state_dict
 from ..fully_shard import fully_shard
+from ..graphs import make_capture_safe
 from .meta_init import megatron_init_fn
 from .model_parallel import (TiedEmbeddingGradSum, check_tensor_parallel_peers_share_the_layout, data_parallel_group,
                              expert_data_parallel_group, expose_grads_to_finalize_model_grads, is_expert_parameter,
@@ -83,6 +107,7 @@ from .model_parallel import (TiedEmbeddingGradSum, check_tensor_parallel_peers_s
 from .checkpoint.distopt_format import bucket_offsets, buffer_dtype_name, megatron_bucket_size
 from .checkpoint.dist_checkpoint import (install_model_checkpointing, megatron_layout, model_sharded_state_dict,
                               model_values_from_loaded)
+from .settings import cuda_graph_mode
 from .wrap_settings import (_checked_strategy, _mixed_precision, _parallel_sizes, _unsupported_settings,  # noqa: F401
                             offload_policy)
 from ..plan.resolve import AutoStrategy
@@ -121,8 +146,9 @@ class WeightRefreshForMegatronOptimizer:
 
     def copy_main_weights_to_model_weights(self) -> None:
         """Start rebuilding the compute weights from the updated main weights (idempotent: the
-        core tracks which main weights changed; ZeRO-3 all-gathers them at the next use)."""
-        self._wrapper.module.unshard(async_op=True)
+        core tracks which main weights changed; ZeRO-3 all-gathers them at the next use). In CUDA
+        graph mode the rebuild lands before it returns ([Note: Megatron's full-iteration CUDA graph])."""
+        self._wrapper.module.unshard(async_op=not self._wrapper.cuda_graph_mode)
 
 
 class FullyShardedDataParallel(DistributedDataParallel):
@@ -145,6 +171,8 @@ class FullyShardedDataParallel(DistributedDataParallel):
             auto`` through examples/pretrain_gpt.py): the budget, optimizer and micro-batches
             ``fully_shard(sharding_strategy="auto")`` plans for (default ``AutoStrategy()``).
     """
+
+    cuda_graph_mode: bool      # Megatron's full-iteration CUDA graph: the engine runs capture_safe
 
     def __init__(
         self,
@@ -194,6 +222,9 @@ class FullyShardedDataParallel(DistributedDataParallel):
                     broadcast_buffers=False, unused_param_grads="zeros", dtensor_params=False,
                     persistent_grads=True)
         _BaseDataParallel.__init__(self, config=config, module=module)
+        self.cuda_graph_mode = cuda_graph_mode(config, ddp_config)
+        if self.cuda_graph_mode:         # [Note: Megatron's full-iteration CUDA graph]
+            make_capture_safe([module], [], where="FullyShardedDataParallel (--cuda-graph-impl full_iteration)")
 
         strategy = module.sharding_strategy      # auto: the one fully_shard chose
         self.ddp_config = dataclasses.replace(ddp_config, use_megatron_fsdp=True,
@@ -339,8 +370,9 @@ class FullyShardedDataParallel(DistributedDataParallel):
 
     # ------------------------------------------------------------------ weight sync
     def start_param_sync(self, *unused, force_sync: bool = False, force_dispatch: bool = False) -> None:
-        """Rebuild the compute weights from changed main weights (async unless ``force_sync``)."""
-        self.module.unshard(async_op=not force_sync)
+        """Rebuild the compute weights from changed main weights (async unless ``force_sync`` or in
+        CUDA graph mode, where nothing may stay in flight past the step)."""
+        self.module.unshard(async_op=not (force_sync or self.cuda_graph_mode))
 
     def synchronize_param_gather(self) -> None:
         self.module.unshard(async_op=False)

@@ -39,12 +39,16 @@ parameters are pieces):
    (``--ckpt-format torch_dist``), resharding across dp sizes and strategies; Megatron's own
    version only knows Megatron-FSDP's DTensors on this path.
 
-5. **CPU offload.** ``optimizer_cpu_offload`` (``--optimizer-cpu-offload``) with
+6. **CPU offload.** ``optimizer_cpu_offload`` (``--optimizer-cpu-offload``) with
    ``optimizer_offload_fraction`` and ``overlap_cpu_optimizer_d2h_h2d``: ``adapter.offload_policy``
    maps them to an ``OffloadPolicy``, the chunks offload that fraction of their groups
    (``set_offload``; offload/host_link.py, [Note: offload by fraction]) and each leaf's inner Adam becomes
    torch's fused Adam/AdamW, which steps host and device tensors alike, instead of Megatron's
    ``HybridDeviceOptimizer``.
+
+7. **CUDA graphs.** With chunks in CUDA graph mode (``--cuda-graph-impl full_iteration``, adapter.py
+   [Note: Megatron's full-iteration CUDA graph]) CPU offload is refused and the ``FP32Optimizer``
+   leaves zero ``.grad`` in place (``_zero_grads_in_place``).
 
 Calling ``get_megatron_optimizer`` directly also works for ``adam`` with
 ``use_distributed_optimizer=True`` (what ``--use-megatron-fsdp`` forces): Megatron then picks the
@@ -69,7 +73,7 @@ from megatron.core.optimizer import (
     get_megatron_optimizer,
     get_standard_config_overrides,
 )
-from megatron.core.optimizer.optimizer import ChainedOptimizer
+from megatron.core.optimizer.optimizer import ChainedOptimizer, FP32Optimizer
 from megatron.core.optimizer.optimizer_config import ParamWithNamePredicate
 
 from .adapter import ORIGINAL_SHAPE_ATTR, FullyShardedDataParallel
@@ -159,6 +163,22 @@ def _step_on_each_device(optimizer, config: OptimizerConfig) -> None:
                               eps=config.adam_eps, weight_decay=config.weight_decay, fused=True)
 
 
+def _zero_grads_in_place(optimizer) -> None:
+    """CUDA graph mode: the ``FP32Optimizer`` leaves (SGD, Muon) zero ``.grad`` in place when asked to
+    set it to None (Megatron-LM's ``optimizer.zero_grad()``). A replayed forward-backward writes the
+    gradient tensors its capture attached, and no Python of ours runs to attach them again, so a
+    ``.grad`` set to None would stay None and the step would skip every parameter. The
+    ``DistributedOptimizer`` (Adam) zeroes our buffers in place already (``zero_grad_buffer``)."""
+    for leaf in _leaf_optimizers(optimizer):
+        if isinstance(leaf, FP32Optimizer):
+            zero_grad = leaf.zero_grad
+            leaf.zero_grad = functools.partial(_zero_in_place, zero_grad)
+
+
+def _zero_in_place(zero_grad, set_to_none: bool = True) -> None:
+    zero_grad(set_to_none=False)
+
+
 def get_optimizer(
     config: OptimizerConfig,
     model_chunks,
@@ -185,8 +205,9 @@ def get_optimizer(
     if len(strategies) != 1:
         raise ValueError(f"model_chunks: all chunks must use one sharding strategy, got {sorted(strategies)}.")
     # every field of config: honoured, refused (raised here) or warned once (settings.py)
+    graphed = any(chunk.cuda_graph_mode for chunk in chunks)
     check_optimizer_config({f.name: getattr(config, f.name) for f in dataclasses.fields(config)}, *strategies,
-                           main_dtype=chunks[0].mixed_precision.main_params_dtype)
+                           main_dtype=chunks[0].mixed_precision.main_params_dtype, cuda_graph=graphed)
 
     offload = offload_policy(config)       # --optimizer-cpu-offload: our offload, not HybridDeviceOptimizer
     if offload is not None:
@@ -227,6 +248,8 @@ def get_optimizer(
             leaf.grad_stats_parallel_group = group
             _count_replicated_grads_once(leaf, chunks[0])
     install_optimizer_checkpointing(optimizer, chunks)
+    if graphed:
+        _zero_grads_in_place(optimizer)
     if math.isfinite(config.grad_norm_skip_threshold) and not isinstance(optimizer, ChainedOptimizer):
         # Megatron skips a step whose grad norm exceeds the threshold in ChainedOptimizer.step only
         # (its DDP path always returns one; its FSDP path returns the bare optimizer, which steps).

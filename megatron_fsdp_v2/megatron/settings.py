@@ -14,8 +14,9 @@ the reason. A field is
 
 ``when(value, context)`` decides; it returns ``True`` (or a reason that replaces ``why`` in the
 message) for the values that refuse or warn. The default ``when`` selects every value other than
-the dataclass default. ``context`` holds the other configs (``"ddp"``, ``"model"``, ``"optimizer"``)
-and the strategy (``"strategy"``).
+the dataclass default. ``context`` holds the other configs (``"ddp"``, ``"model"``, ``"optimizer"``),
+the strategy (``"strategy"``) and, for the optimizer, whether the chunks run in a CUDA graph
+(``"cuda_graph"``, ``cuda_graph_mode``).
 
 The constructor of ``FullyShardedDataParallel`` consults ``DDP_SETTINGS`` (``check_ddp_config``),
 ``get_optimizer`` and the ``pretrain_gpt`` launcher consult ``OPTIMIZER_SETTINGS``
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import importlib.util
 import math
 import warnings
 from dataclasses import dataclass
@@ -35,7 +37,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Union
 import torch
 
 __all__ = ["CPU_OFFLOAD_SETTINGS", "DDP_SETTINGS", "OPTIMIZER_SETTINGS", "Setting", "Verdict",
-           "check_ddp_config", "check_optimizer_config", "main_params_dtype", "settings_markdown"]
+           "check_ddp_config", "check_optimizer_config", "cuda_graph_mode", "main_params_dtype", "settings_markdown"]
 
 
 class Verdict(enum.Enum):
@@ -71,13 +73,40 @@ def _no_effect(field: str, flag: Optional[str], what: str, why: str, when=_DEFAU
     return Setting(field, flag, Verdict.NO_EFFECT, what, why, when)
 
 
+def transformer_engine_installed() -> bool:
+    """FP8 in Megatron means Transformer Engine's modules and float8 parameter classes."""
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
 def _fp8_param_gather_without_te(value, context) -> bool:
     """--fp8-param-gather needs Transformer Engine's float8 parameter classes (they implement FSDP2's
     all-gather extension, TE PRs #2245 and #2789); without TE there is nothing to gather in FP8."""
     if not value:
         return False
-    from .wrap_settings import transformer_engine_installed
     return not transformer_engine_installed()
+
+
+def cuda_graph_mode(model_config, ddp_config) -> bool:
+    """Whether the step runs inside Megatron's full-iteration CUDA graph (``cuda_graph_impl=
+    'full_iteration'``, ``--cuda-graph-impl full_iteration``), or the DDP config asks for the
+    graph-safe mode Megatron-LM sets with any CUDA graph (``megatron_fsdp_cuda_graph_mode``)."""
+    return (getattr(model_config, "cuda_graph_impl", "none") == "full_iteration"
+            or bool(getattr(ddp_config, "megatron_fsdp_cuda_graph_mode", False)))
+
+
+_IN_A_GRAPH = ("CUDA graphs (cuda_graph_impl='full_iteration' or megatron_fsdp_cuda_graph_mode)")
+
+
+def _nan_check_in_a_graph(value, context) -> Union[bool, str]:
+    if value and cuda_graph_mode(context.get("model"), context["ddp"]):
+        return (f"honoured, but not with {_IN_A_GRAPH}: the check reads every reduced gradient on the host, "
+                f"which the captured forward-backward cannot contain; pass --no-check-for-nan-in-loss-and-grad "
+                f"(check_for_nan_in_grad=False), as Megatron-LM demands with --cuda-graph-impl full_iteration")
+    return False
+
+
+def _all_gather_left_out_of_start_param_sync(value, context) -> bool:
+    return value is False and not cuda_graph_mode(context.get("model"), context["ddp"])
 
 
 def main_params_dtype(model_config, ddp_config) -> torch.dtype:
@@ -109,8 +138,12 @@ def _precision_aware_without_offload(value, context) -> bool:
 
 
 CPU_OFFLOAD_SETTINGS: Dict[str, Setting] = {s.field: s for s in (
-    _honoured("optimizer_cpu_offload", "--optimizer-cpu-offload",
-              "honoured: offload by fraction (fully_shard's OffloadPolicy), the offloaded groups step on the CPU"),
+    _refused("optimizer_cpu_offload", "--optimizer-cpu-offload",
+             "honoured: offload by fraction (fully_shard's OffloadPolicy), the offloaded groups step on the CPU; "
+             "refused with CUDA graphs (--cuda-graph-impl full_iteration)",
+             "offloaded groups copy their gradients to the host and step there, which the captured forward-backward "
+             "cannot contain; use no offload with --cuda-graph-impl full_iteration",
+             when=lambda value, context: bool(value) and context.get("cuda_graph", False)),
     _refused("use_precision_aware_optimizer", "--use-precision-aware-optimizer",
              "accepted with --optimizer-cpu-offload (fp32 optimizer dtypes), refused otherwise", _PRECISION_AWARE_WHY,
              when=_precision_aware_without_offload),
@@ -194,8 +227,10 @@ DDP_SETTINGS: Dict[str, Setting] = {s.field: s for s in (
     _honoured("num_distributed_optimizer_instances", "--num-distributed-optimizer-instances",
               "honoured: hybrid sharding (shards within an instance, gradients averaged across instances); "
               "refused with experts"),
-    _honoured("check_for_nan_in_grad", "--no-check-for-nan-in-loss-and-grad",
-              "honoured: after each reduce, raises naming the first parameter whose gradient holds NaN/Inf"),
+    _refused("check_for_nan_in_grad", "--no-check-for-nan-in-loss-and-grad",
+             "honoured: after each reduce, raises naming the first parameter whose gradient holds NaN/Inf; "
+             "refused (True) with CUDA graphs (cuda_graph_impl='full_iteration' or megatron_fsdp_cuda_graph_mode)",
+             "", when=_nan_check_in_a_graph),
     _refused("check_for_large_grads", "--check-for-large-grads", "refused when True",
              "Megatron's check runs its rerun state machine on each DDP bucket's gradient norm; this wrapper "
              "has no DDP buckets (check_for_nan_in_grad is supported)"),
@@ -240,9 +275,13 @@ DDP_SETTINGS: Dict[str, Setting] = {s.field: s for s in (
     _no_effect("fsdp_double_buffer", "--fsdp-double-buffer", "no effect; warns when True", _ALLOCATOR),
     _no_effect("fsdp_db_use_persist_buf_on_alloc_fail", "--fsdp-db-use-persist-buf-on-alloc-fail",
                "no effect; warns when True", _ALLOCATOR),
-    _no_effect("fsdp_all_gather_in_start_param_sync", None, "no effect; warns when False",
-               "start_param_sync always issues the weight all-gathers (CUDA graphs, which need it off, are "
-               "refused)"),
+    _no_effect("fsdp_all_gather_in_start_param_sync", None,
+               "no effect; warns when False outside CUDA graphs (Megatron-LM sets it False with "
+               "--cuda-graph-impl full_iteration)",
+               "start_param_sync (and Megatron's optimizer step) rebuild ZeRO-1/2's compute weights by an all-gather "
+               "either way; in CUDA graph mode it is waited before optimizer.step() returns, so no all-gather crosses "
+               "the captured forward's boundary (what False is for in Megatron-FSDP)",
+               when=_all_gather_left_out_of_start_param_sync),
     _refused("outer_dp_sharding_strategy", "--outer-dp-sharding-strategy",
              "honoured: 'no_shard' (HSDP) and 'optim' (HFSDP) with num_distributed_optimizer_instances > 1; "
              "refused otherwise", "", when=_outer_strategy_problem),
@@ -260,8 +299,12 @@ DDP_SETTINGS: Dict[str, Setting] = {s.field: s for s in (
     _honoured("megatron_fsdp_grad_comm_dtype", "--megatron-fsdp-grad-comm-dtype",
               "honoured: the gradient collectives' dtype (overrides grad_reduce_in_fp32)"),
     _DECOUPLED_GRAD,
-    _no_effect("megatron_fsdp_cuda_graph_mode", None, "no effect; warns when True",
-               "CUDA graphs are refused (--cuda-graph-impl), so there is no graph-safe mode to switch to"),
+    _honoured("megatron_fsdp_cuda_graph_mode", None,
+              "honoured: True runs the engine capture-safe (Engine.capture_safe: every collective a step issues is "
+              "waited within it), as cuda_graph_impl='full_iteration' does; Megatron-LM sets it with "
+              "--use-megatron-fsdp and any --cuda-graph-impl",
+              "ZeRO-1/2's weight all-gather after optimizer.step() then lands before the step returns, not during "
+              "the next (captured) forward"),
     _no_effect("megatron_fsdp_enable_fine_grained_param_gather", "--megatron-fsdp-enable-fine-grained-param-gather",
                "no effect; warns when True", _UNITS),
     _no_effect("megatron_fsdp_max_pool_double_buffer", "--megatron-fsdp-max-pool-double-buffer",
@@ -389,7 +432,10 @@ OPTIMIZER_SETTINGS: Dict[str, Setting] = {s.field: s for s in (
     _honoured("barrier_with_L1_time", "--no-barrier-with-level-1-timing", _MEGATRON),
     _honoured("timers", None, _MEGATRON),
     _honoured("config_logger_dir", "--config-logger-dir", _MEGATRON),
-    _refused("optimizer_cuda_graph", "--optimizer-cuda-graph", "refused when True", "CUDA graphs are not supported"),
+    _refused("optimizer_cuda_graph", "--optimizer-cuda-graph", "refused when True",
+             "a graph of optimizer.step() would replay, without the Python that runs around the step here, which "
+             "groups changed and ZeRO-1/2's weight all-gather, and is not verified with this wrapper; "
+             "--cuda-graph-impl full_iteration captures forward and backward and keeps the step eager"),
 )}
 
 
@@ -458,15 +504,17 @@ def check_ddp_config(ddp_config, model_config, extra_problems: List[str] = ()) -
 
 
 def check_optimizer_config(values: Mapping[str, Any], strategy: Optional[str], where: str = "get_optimizer",
-                           main_dtype: Optional[torch.dtype] = None) -> None:
+                           main_dtype: Optional[torch.dtype] = None, cuda_graph: bool = False) -> None:
     """Refuse or warn once for an ``OptimizerConfig``'s fields (``values``: field -> value; the
     launcher passes its parsed arguments, whose names are the fields'). ``strategy`` and
-    ``main_dtype``: the model chunks' (None: not known yet)."""
+    ``main_dtype``: the model chunks' (None: not known yet). ``cuda_graph``: the chunks run in CUDA
+    graph mode (``cuda_graph_mode``); the launcher's arguments say it by ``cuda_graph_impl``."""
     from megatron.core.optimizer import OptimizerConfig
 
     names = {f.name for f in dataclasses.fields(OptimizerConfig)}
     present = {k: v for k, v in values.items() if k in names}
-    context = {"optimizer": _Values(present), "strategy": strategy, "main_dtype": main_dtype}
+    cuda_graph = cuda_graph or values.get("cuda_graph_impl") == "full_iteration"
+    context = {"optimizer": _Values(present), "strategy": strategy, "main_dtype": main_dtype, "cuda_graph": cuda_graph}
     problems = apply_settings(OPTIMIZER_SETTINGS, present, _defaults(OptimizerConfig), context, "optimizer_config")
     if problems:
         raise ValueError(f"{where}: FullyShardedDataParallel does not support " + "; ".join(problems) + ".")

@@ -18,7 +18,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from ..mixed_precision import MixedPrecisionPolicy
 from ..offload.policy import OffloadPolicy
 from ..strategy import STRATEGY_NAMES, get_strategy
-from .settings import check_ddp_config, main_params_dtype
+from .settings import check_ddp_config, main_params_dtype, transformer_engine_installed
 
 __all__ = ["offload_policy"]
 
@@ -88,19 +88,35 @@ def _unsupported_settings(config: TransformerConfig, ddp_config: DistributedData
     check(bool(getattr(config, "gradient_accumulation_fusion", False)),
           "gradient_accumulation_fusion=True: the fused wgrad kernels write into param.main_grad, which "
           "this wrapper does not provide; pass --no-gradient-accumulation-fusion")
-    check(getattr(config, "cuda_graph_impl", "none") not in (None, "none"),
-          f"cuda_graph_impl={getattr(config, 'cuda_graph_impl', None)!r} (--cuda-graph-impl): CUDA graphs "
-          "are not supported")
+    graphs = _per_layer_graphs_problem(getattr(config, "cuda_graph_impl", "none"))
+    check(graphs is not None, graphs)
     check(bool(getattr(config, "delay_wgrad_compute", False)),
           "delay_wgrad_compute=True (--delay-wgrad-compute): weight gradients computed later by backward_dw() "
           "would bypass this wrapper's gradient reduction")
     return problems
 
 
-def transformer_engine_installed() -> bool:
-    """FP8 in Megatron means Transformer Engine's modules and float8 parameter classes."""
-    import importlib.util
-    return importlib.util.find_spec("transformer_engine") is not None
+_WHOLE_ITERATION = ("; allowed: 'none' or 'full_iteration' (--cuda-graph-impl full_iteration: the whole "
+                    "forward-backward as one graph)")
+
+
+def _per_layer_graphs_problem(impl) -> Optional[str]:
+    """Why Megatron's per-layer CUDA graphs (``local``, ``transformer_engine``) cannot run with this
+    wrapper, or None (``none``, ``full_iteration``: the engine runs capture-safe, adapter.py)."""
+    got = f"cuda_graph_impl={impl!r} (--cuda-graph-impl): "
+    if impl in (None, "none", "full_iteration"):
+        return None
+    if impl == "local":
+        return (got + "Megatron's per-layer graphs add each layer's weight gradients to param.main_grad inside "
+                "the graph and hand autograd none, so no gradient reaches this wrapper (it keeps no "
+                "param.main_grad; its gradient hooks run on autograd's accumulation)" + _WHOLE_ITERATION)
+    if impl == "transformer_engine" and not transformer_engine_installed():
+        return (got + "these per-layer graphs are made by Transformer Engine's make_graphed_callables, and "
+                "Transformer Engine is not installed" + _WHOLE_ITERATION)
+    if impl == "transformer_engine":
+        return (got + "Transformer Engine's make_graphed_callables refuses modules with hooks registered, and "
+                "this wrapper registers its hooks on every unit (a TransformerLayer by default)" + _WHOLE_ITERATION)
+    return got + "unknown implementation" + _WHOLE_ITERATION
 
 
 def offload_policy(config) -> Optional[OffloadPolicy]:

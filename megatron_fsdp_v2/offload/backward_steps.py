@@ -54,8 +54,8 @@ step counters, the fused kernel), each giving up the GIL while it runs and takin
 Meanwhile autograd's thread runs the backward's Python hooks. Python hands the GIL to a waiting
 thread only every ``sys.getswitchinterval()`` (5 ms by default), so each time the stepping thread
 comes back from a kernel it can wait up to 5 ms for the hooks' thread: measured on one H200 host
-(benchmarks/cpu_step_contention.py), a 50M-parameter fused AdamW step took 12 ms alone, 27-36 ms
-beside a busy Python thread and 15 ms with a 0.2 ms interval. (In a GPT's backward on that host
+(docs/benchmarks_history.md, "Offload, 2026-12-03 afternoon"), a 50M-parameter fused AdamW step
+took 12 ms alone, 27-36 ms beside a busy Python thread and 15 ms with a 0.2 ms interval. (In a GPT's backward on that host
 the interval made no difference beyond run-to-run noise, the hooks' thread giving the GIL up
 often; a loop with longer Python stretches beside backward gets the difference.) So while
 groups are handed over (from the first hand-over to ``optimizer.step()``'s wait) the interpreter's
@@ -127,7 +127,8 @@ class _SwitchInterval:
 @dataclass(frozen=True)
 class GroupStepRecord:
     """One group the thread stepped, as an observer added with ``BackwardSteps.add_observer`` sees it
-    (benchmarks/profile_step.py prints them as a timeline). Times are ``time.perf_counter()``.
+    (a profiler printed them as a timeline: docs/benchmarks_history.md, "Offload, 2026-12-03").
+    Times are ``time.perf_counter()``.
 
     Attributes:
         group: the group's name.

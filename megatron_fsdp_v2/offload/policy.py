@@ -35,7 +35,7 @@ class OffloadPolicy:
             steps (``torch.set_num_threads`` there; torch keeps it as the default of threads
             started later too); None: torch's. Fewer than the cores was measured much slower on
             one H200 host (16 cores: 14 threads 1.46x, 12 threads 1.37x the step time of 16;
-            docs/benchmarks.md), so leave it None unless a measurement says otherwise.
+            docs/benchmarks_history.md), so leave it None unless a measurement says otherwise.
         release_after_gather: ZeRO-3: a non-root offloaded group's device compute-weight shard
             is freed once a gather read it and copied from the host again before the next
             (before its backward: prefetched when the unit after it in forward order begins its

@@ -8,7 +8,9 @@ strategy, for a Megatron GPT given Megatron-LM's model flags or a torch model gi
 
 The table printed is the compact one (strategy, kept and peak bytes, bytes moved per step, fits /
 chosen: plan/compact.py), at most 100 columns; ``--wide`` prints every column (``str(plan)``) and
-``--json`` the same numbers as JSON, in bytes (``Plan.as_dict()``).
+``--json`` the same numbers as JSON, in bytes (``Plan.as_dict()``). The notices Megatron and torch
+print while a Megatron GPT is built come as one line per kind (megatron_fsdp_v2/notices.py);
+``--verbose`` shows each.
 
 ``--model`` is called with no arguments under ``torch.device("meta")`` (nothing is allocated);
 the Megatron GPT is built on the meta device too (megatron_fsdp_v2/megatron/plan_model.py).
@@ -17,6 +19,7 @@ the Megatron GPT is built on the meta device too (megatron_fsdp_v2/megatron/plan
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import sys
@@ -29,6 +32,7 @@ from ..strategy import STRATEGY_NAMES
 from .memory import OPTIMIZER_STATE_COPIES
 from .compact import compact_table
 from .planner import plan
+from ..notices import notices_summarized
 
 #: Builds the Megatron GPT of the Megatron-LM flags (the adapter's package; needs megatron-core).
 MEGATRON_GPT = "megatron_fsdp_v2.megatron.plan_model:megatron_gpt_on_meta"
@@ -92,6 +96,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         "table, at most 100 columns)")
     g.add_argument("--json", action="store_true",
                    help="print the plan as JSON instead of a table: every number of --wide, in bytes")
+    g.add_argument("--verbose", action="store_true",
+                   help="show each notice Megatron and torch print while the Megatron GPT is built (default: "
+                        "one line per kind of notice that needs no action: megatron_fsdp_v2/notices.py)")
     return p.parse_args(argv)
 
 
@@ -135,6 +142,11 @@ def _fractions(text: str):
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
+    with contextlib.nullcontext() if args.verbose else notices_summarized():
+        return _print_plan(args)
+
+
+def _print_plan(args: argparse.Namespace) -> int:
     model, units, policy = _torch_model(args) if args.model else _megatron_model(args)
     budget = None if args.budget_gib is None else int(args.budget_gib * (1 << 30))
     fractions = _fractions(args.offload_fractions)

@@ -37,6 +37,7 @@ import torch
 import torch.nn as nn
 from torch.autograd import Variable
 
+from .buffer_broadcast import broadcast_buffers
 from .grad_norm import clip_main_grads
 from .grad_hooks import GradHooks, refuse_tensor_hooks
 from .optimizer_hook import watch_optimizer_steps
@@ -88,6 +89,7 @@ class Engine:
     check_for_nan_in_grad: bool
     broadcast_buffers: bool                  # DDP's default True: rank 0's buffers before forwards
     unused_grads_are_none: bool              # torch DDP / FSDP2: a parameter no rank used keeps .grad None
+    capture_safe: bool                       # every collective a step issues is waited within it (graphs/)
     _divide_factor: Optional[float]          # set_gradient_divide_factor (None: the data-parallel size)
 
     # -- where the step is
@@ -117,6 +119,7 @@ class Engine:
         self._main_param_ids = {id(m) for g in self.groups for m in g.main_params}
         self.requires_gradient_sync, self.check_for_nan_in_grad = True, False
         self.broadcast_buffers, self.unused_grads_are_none, self._divide_factor = True, True, None
+        self.capture_safe = False
         self.phase, self.forward_order = PhaseMachine(), ForwardOrder()
         self.backward_pass, self._backward_count = None, 0
         self.main_grads_attached = self.grads_since_zero = False
@@ -199,7 +202,7 @@ class Engine:
             self.phase.enter(Phase.FORWARD, gradient_sync=self.requires_gradient_sync)
             self.sync_requires_grad()
         if self.broadcast_buffers and self._buffers_due:
-            self._broadcast_buffers()
+            broadcast_buffers(self.root, (self.comm, self.replicas))
         self.weights.refresh(before_forward=True)
         root = self.units[0]
         self.forward_order.record(root)
@@ -330,6 +333,10 @@ class Engine:
         for group in self.groups:
             group.begin_backward()
         if self.main_grads_attached and self._optimizer_cleared_grads():
+            if self.capture_safe and not all(g.grads.persistent for g in self.groups):
+                raise RuntimeError(
+                    "optimizer.zero_grad(set_to_none=True) in a step captured as a CUDA graph: each step would "
+                    "allocate new gradient buffers a replay cannot see; call zero_grad(set_to_none=False).")
             self.zero_grads(release=True)
         self.grads_since_zero = True
 
@@ -434,7 +441,7 @@ class Engine:
         (grad_hooks.py, [Note: hooks on sharded parameters]); one weight refresh after them if an
         optimizer stepped inside them."""
         if self.grad_hooks.run(self.groups):
-            self.weights.refresh()
+            self.weights.refresh(wait=self.capture_safe)
 
     def _attach_main_grads(self) -> None:
         for group in self.groups:
@@ -472,10 +479,15 @@ class Engine:
         accumulation_ended(self.groups)
         if self.grad_hooks.running:                # stepped inside a user's grad hook: refresh once after them
             self.grad_hooks.refresh_due = True
-        else:
-            self.weights.refresh()
+        else:                                      # (capture_safe: landed within the step, [Note: a step as one CUDA graph])
+            self.weights.refresh(wait=self.capture_safe)
         if self.backward_steps is not None:
             self.backward_steps.after_step()
+
+    @property
+    def between_steps(self) -> bool:
+        """No forward or backward running and no gradient reduce in flight."""
+        return self.phase.is_(Phase.IDLE) and not self._reduces_in_flight
 
     def _check_steps_idle(self, what: str) -> None:
         if self.backward_steps is not None:
@@ -576,24 +588,3 @@ class Engine:
     def sync_requires_grad(self) -> None:
         """Honour ``requires_grad_()`` called after wrapping (requires_grad_sync.py)."""
         sync_requires_grad(self.groups, accumulating=self.grads_since_zero)
-
-    def _broadcast_buffers(self) -> None:
-        """Rank 0's buffers (e.g. BatchNorm running statistics) on every rank, as torch DDP's
-        ``broadcast_buffers=True`` does before a forward.
-
-        [Note: buffers as DDP]
-        DDP (``_pre_forward`` / ``_post_forward``, ``will_sync_module_buffers``) broadcasts before a
-        forward when the forward *before* it ran with grad enabled outside ``no_sync()`` (its
-        ``require_forward_param_sync``, True at the start), whatever the new forward is: so the
-        first micro-batch under ``no_sync()`` after a synced step broadcasts and the synced one
-        after it does not; an evaluation forward broadcasts when due and turns the next forward's
-        broadcast off. The source is rank 0 (DDP agrees on another rank only under ``Join``). Like
-        DDP, the overwrite keeps the buffers' version counters, so a buffer saved for a pending
-        backward (BatchNorm in eval mode) does not fail autograd's in-place check."""
-        buffers = [b for b in self.root.buffers() if b.numel()]
-        if not buffers:
-            return
-        with torch.autograd._unsafe_preserve_version_counter(tuple(buffers)):
-            for comm in (self.comm, self.replicas):    # inner first, then across replicas: global rank 0's
-                if comm is not None and comm.size > 1:
-                    comm.broadcast(buffers, src_group_rank=0, label="buffers (broadcast_buffers)")

@@ -25,7 +25,7 @@ from ..offload.host_link import HostLink
 from ..offload.policy import choose_offloaded, offload_choice_bytes
 from ..runtime.optimizer_hook import mark_replaced
 from ..group.grad_buffer import reserve_gradient_segment
-from ..group.main_segment import compact, shares_main_segment
+from ..group.main_segment import compact, joins_main_segment
 from ..group.param_group import ParamGroup
 from ..runtime.param_swap import register_in_place_of
 from ..row_sharded import mesh_of_group
@@ -73,10 +73,11 @@ def prepare_model(module: nn.Module, strategy, groups: WrapGroups, expert_params
 
 def build_units(model: PreparedModel, strategy, groups: WrapGroups, world, allocator, options) -> list[Unit]:
     """Every unit with its ParamGroups (buffers laid out, main parameters made), the root first.
-    ZeRO-3's main shards are built one group at a time (each group's parameters freed as it is
-    built) and then moved into one allocation (group/main_segment.py) before the main parameters are
-    made; the gradient buffers to come get one segment of their pool (group/grad_buffer.py).
-    ``options``: the call's ``options.WrapOptions``."""
+    ZeRO-3's main shards are built one group at a time, the smallest first (``_build_order``: each
+    group's parameters freed as it is built, so the largest is built when the most original tensors
+    are gone; at dp 1 on the host), then moved into one allocation (group/main_segment.py) before
+    the main parameters are made; the gradient buffers to come get one segment of their pool
+    (group/grad_buffer.py). ``options``: the call's ``options.WrapOptions``."""
     device, dtensor_params = model.device, options.dtensor_params
     shard_comm = world if world is not None else groups.comm   # HFSDP: main weights sharded over the world
     mesh = mesh_of_group(shard_comm.group, device) if dtensor_params and strategy.optim_sharded else None
@@ -84,40 +85,57 @@ def build_units(model: PreparedModel, strategy, groups: WrapGroups, world, alloc
                    if groups.experts is not None and dtensor_params and strategy.optim_sharded else None)
     plans = _group_plans(model, options.mixed_precision, options.reduce_root_per_child)
     to_host, link = _offload_choice(plans, options.offload, device)
-    in_segment = shares_main_segment(strategy, hybrid=world is not None)
     meshes: dict = {}            # the group's mesh handed to FSDP2's extension protocol, one per process group
-    units: list[Unit] = []
-    index = 0                                     # the group's position in the whole model
-    rule_of = {id(m): rule for m, _, rule in model.inner_policies}   # nested units keep their call's
-    for unit_index, (spec, (policy, gspecs)) in enumerate(zip(model.specs, plans)):
-        unit_groups = []
-        for gspec in gspecs:
-            entries = gspec.entries
-            group = ParamGroup(gspec.tag, [e[2] for e in entries], [e[0] for e in entries], strategy,
-                               groups.experts if gspec.expert else shard_comm,
-                               resolve_dtypes(gspec.dtype, policy, gspec.requires_grad, gspec.full_precision),
-                               allocator, device, default_alignment(device), expert_mesh if gspec.expert else mesh,
-                               levels=HybridLevels(groups.comm, groups.replicas) if world is not None else None,
-                               offload=link if index in to_host else None, persistent_grads=options.persistent_grads,
-                               main_segment=in_segment, from_meta=model.from_meta,
-                               extension=_extension(model, gspec, groups.experts if gspec.expert else shard_comm,
-                                                    meshes, resolve_dtypes(gspec.dtype, policy, gspec.requires_grad,
-                                                                           gspec.full_precision),
-                                                    offloaded=index in to_host, hybrid=world is not None),
-                               all_names=[e[1] for e in entries], param_dtype=gspec.dtype)
-            unit_groups.append(group)
-            index += 1
-            for first_name, _, param in entries:
-                mark_replaced(param, first_name)
-        unit = Unit(unit_index, spec.module, spec.fqn, unit_groups, policy,
-                    rule_of.get(id(spec.module), options.reshard_after_forward))
-        units.append(unit)
-    built = [group for unit in units for group in unit.groups]
+    hybrid = world is not None
+
+    def make_group(position: int, policy, gspec) -> ParamGroup:
+        entries, comm = gspec.entries, groups.experts if gspec.expert else shard_comm
+        dtypes = resolve_dtypes(gspec.dtype, policy, gspec.requires_grad, gspec.full_precision)
+        group = ParamGroup(gspec.tag, [e[2] for e in entries], [e[0] for e in entries], strategy, comm, dtypes,
+                           allocator, device, default_alignment(device), expert_mesh if gspec.expert else mesh,
+                           levels=HybridLevels(groups.comm, groups.replicas) if hybrid else None,
+                           offload=link if position in to_host else None, persistent_grads=options.persistent_grads,
+                           main_segment=joins_main_segment(strategy, hybrid, device, comm.size, model.from_meta),
+                           from_meta=model.from_meta,
+                           extension=_extension(model, gspec, comm, meshes, dtypes, offloaded=position in to_host,
+                                                hybrid=hybrid),
+                           all_names=[e[1] for e in entries], param_dtype=gspec.dtype)
+        for first_name, _, param in entries:
+            mark_replaced(param, first_name)
+        return group
+
+    slots = [(policy, gspec) for policy, gspecs in plans for gspec in gspecs]     # by position in the model
+    built: list = [None] * len(slots)
+    for position in _build_order(slots, strategy):
+        built[position] = make_group(position, *slots[position])
     compact(built)                                 # group/main_segment.py: one allocation per main dtype
     for group in built:
         if group.main_params is None:
             group.main.make_params()
     reserve_gradient_segment([g.grads for g in built if g.grads_allocated_later], device)
+    return _assemble_units(model, plans, built, options.reshard_after_forward)
+
+
+def _build_order(slots: list, strategy) -> list:
+    """Group positions in the order their buffers are built. ZeRO-3: the fewest elements first (ties
+    in model order), as FSDP2's idiom shards the blocks before the root that holds the embeddings: a
+    ZeRO-3 group keeps less than the original tensors it frees (its shard), so the largest is built
+    when the most of them are gone. The other strategies keep replicated weights, at dp 1 more than
+    they free: model order, the root (often the largest) first."""
+    order = list(range(len(slots)))
+    if not strategy.weights_sharded:
+        return order
+    return sorted(order, key=lambda i: sum(e[2].numel() for e in slots[i][1].entries))
+
+
+def _assemble_units(model: PreparedModel, plans: list, built: list, reshard_after_forward) -> list[Unit]:
+    """The units, the root first, each with its groups in model order."""
+    rule_of = {id(m): rule for m, _, rule in model.inner_policies}   # nested units keep their call's
+    units, start = [], 0
+    for unit_index, (spec, (policy, gspecs)) in enumerate(zip(model.specs, plans)):
+        units.append(Unit(unit_index, spec.module, spec.fqn, built[start:start + len(gspecs)], policy,
+                          rule_of.get(id(spec.module), reshard_after_forward)))
+        start += len(gspecs)
     return units
 
 
@@ -180,8 +198,8 @@ def _offload_choice(plans: list, offload, device: torch.device) -> tuple[frozens
 
 def initialize_units_from_meta(module: nn.Module, units: list, pending: dict, device: torch.device,
                                init_fn) -> None:
-    """Run meta_init's initializers, writing each parameter's values into its group's main weights,
-    then rebuild the compute weights from them."""
+    """Run meta_init's initializers, writing each parameter's values into its group's main weights
+    (directly where a main piece is the whole parameter), then rebuild the compute weights from them."""
     where = {id(p): (g, i) for unit in units for g in unit.groups for i, p in enumerate(g.params)}
 
     def write(param, full):
@@ -192,7 +210,15 @@ def initialize_units_from_meta(module: nn.Module, units: list, pending: dict, de
         group, index = where[id(param)]
         group.repoint_param(index)
 
-    initialize_meta_model(module, pending, write, restore, device, init_fn)
+    def home(param, dtype):
+        """The main piece, where it is the whole parameter in the dtype it was built in on ``device``
+        (dp 1, or no_shard): its initializers write there, with no full-size temporary."""
+        group, index = where[id(param)]
+        local, shape = group.main_locals[index], group.shapes[index]
+        whole = local.numel() == shape.numel() and local.dtype == dtype and local.device == device
+        return local.view(shape) if whole else None
+
+    initialize_meta_model(module, pending, write, restore, device, init_fn, home)
     for unit in units:
         for group in unit.groups:
             if group.keeps_compute_weights:      # flat ZeRO-3 gathers at use

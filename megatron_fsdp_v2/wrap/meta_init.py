@@ -31,7 +31,16 @@ can touch it:
   full-size storage is dropped (the parameter keeps its shape on one element until all ran). So
   besides the persistent shards a rank holds at most the parameters that one initializer and
   those before it still to be finished touch (a leaf layer, or e.g. an attention block whose
-  initializer rewrites its children's), never the model.
+  initializer rewrites its children's), never the model. Where the wrapper keeps the whole
+  parameter in that dtype on that device (its main piece at dp 1, or under ``no_shard``), that
+  piece is the storage the initializers write (``home``): nothing is allocated and nothing copied,
+  so at dp 1 the wrap holds the main weights alone, as FSDP2's ``to_empty`` + ``reset_parameters``.
+  At dp > 1 the whole parameter is still materialized while it initializes (FSDP2 initializes its
+  DTensor shards in place, with values that are not eager construction's).
+* Tensor classes that gather themselves (FSDP2's extension protocol, e.g. torchao's float8
+  weights) keep their class: the placeholder is the class around its one element, and its data
+  (a Python attribute of the class, which ``.data =`` does not reach) is set through
+  ``extensions/protocol.py:set_data``.
 * A tied parameter is one object: every module holding it initializes it, in that order, and the
   last writer wins (an ``Embedding`` and a later tied ``Linear`` head: the head's initialization;
   eager construction that ties ``embedding.weight = head.weight`` after building both gives the same).
@@ -48,6 +57,8 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..extensions.protocol import TensorClass, data_of, has_protocol, set_data
+
 __all__ = ["has_meta_state", "initialize_meta_model", "replace_meta_parameters"]
 
 
@@ -57,7 +68,8 @@ def has_meta_state(module: nn.Module) -> bool:
 
 def replace_meta_parameters(module: nn.Module, device: torch.device) -> dict:
     """Swap each meta parameter (every slot holding it, so ties stay tied) for a placeholder of
-    the same shape, dtype, ``requires_grad`` and attributes on ``device`` backed by one element.
+    the same shape, dtype, ``requires_grad``, attributes and class (a tensor subclass gathered
+    through FSDP2's extension protocol keeps it) on ``device`` backed by one element.
     Returns ``{id(placeholder): (name, shape, dtype)}`` of the parameters still to initialize (the
     dtype they were built in: the wrapper may re-type the placeholders to its compute dtype)."""
     replaced: dict = {}
@@ -68,8 +80,10 @@ def replace_meta_parameters(module: nn.Module, device: torch.device) -> dict:
                 continue
             new = replaced.get(id(param))
             if new is None:
-                backing = torch.zeros((), dtype=param.dtype, device=device)
-                new = nn.Parameter(backing.expand(param.shape), requires_grad=param.requires_grad)
+                backing = torch.zeros((), dtype=param.dtype, device=device).expand(param.shape)
+                if has_protocol(param):          # keeps its class (e.g. torchao float8): gathered through it
+                    backing = TensorClass(param).rewrap(backing)
+                new = nn.Parameter(backing, requires_grad=param.requires_grad)
                 for key, value in vars(param).items():
                     setattr(new, key, value)
                 replaced[id(param)] = new
@@ -156,10 +170,31 @@ def _post_order(module: nn.Module, prefix: str = "", seen: Optional[set] = None)
     return out + [(prefix, module)]
 
 
+def _materialize(param: nn.Parameter, entry: tuple, device: torch.device, home: Optional[Callable],
+                 in_place: dict) -> None:
+    """Give ``param`` full-size storage in the dtype it was built in: where the wrapper keeps its
+    whole values (``home``), else a new tensor on ``device``."""
+    _, shape, dtype = entry
+    values = home(param, dtype) if home is not None else None
+    if values is None:
+        values = torch.empty(shape, dtype=dtype, device=device)
+    else:
+        in_place[id(param)] = values
+    set_data(param, values)
+
+
+def _still_home(values: torch.Tensor, home: Optional[torch.Tensor]) -> bool:
+    """Whether ``values`` is still the wrapper's storage ``home`` (nothing left to write)."""
+    return home is not None and values.data_ptr() == home.data_ptr() and values.shape == home.shape
+
+
 def initialize_meta_model(module: nn.Module, pending: dict, write: Callable, restore: Callable,
-                          device: torch.device, init_fn: Optional[Callable] = None) -> None:
+                          device: torch.device, init_fn: Optional[Callable] = None,
+                          home: Optional[Callable] = None) -> None:
     """Run the initializers ([Note: initializing from meta]); ``write(param, full)`` stores a
-    parameter's final values, ``restore(param)`` points it back at what the wrapper holds."""
+    parameter's final values, ``restore(param)`` points it back at what the wrapper holds;
+    ``home(param, dtype)``: where the wrapper keeps the whole of ``param`` in ``dtype`` (its
+    initializers then write there, and nothing is written after), or None."""
     steps = [(name, m, _initializer(m, init_fn)) for name, m in _post_order(module)]
     steps = [(name, m, run) for name, m, run in steps if run is not None]
     touched = _touched_by_steps(module, steps, pending)
@@ -169,12 +204,12 @@ def initialize_meta_model(module: nn.Module, pending: dict, write: Callable, res
             last_toucher[param_id] = index
     params = {id(p): p for p in module.parameters() if id(p) in pending}
     materialized: set = set()
+    in_place: dict = {}                    # id(param) -> the wrapper's storage its initializers write
     written: list = []
     with torch.no_grad():
         for index, (name, m, run) in enumerate(steps):
-            for param_id in touched[index] - materialized:   # full size, in the dtype it was built in
-                _, shape, dtype = pending[param_id]
-                params[param_id].data = torch.empty(shape, dtype=dtype, device=device)
+            for param_id in touched[index] - materialized:
+                _materialize(params[param_id], pending[param_id], device, home, in_place)
                 materialized.add(param_id)
             for key, buffer in list(m._buffers.items()):     # its own buffers: its initializer fills them
                 if buffer is not None and buffer.is_meta:
@@ -183,10 +218,11 @@ def initialize_meta_model(module: nn.Module, pending: dict, write: Callable, res
             for param_id in touched[index]:
                 if last_toucher[param_id] == index:
                     param = params[param_id]
-                    write(param, param.data)
+                    if not _still_home(data_of(param), in_place.get(param_id)):   # (an initializer may set .data)
+                        write(param, data_of(param))
                     _, shape, dtype = pending.pop(param_id)
                     # until every initializer ran: the full shape (a later one may read it) on one element
-                    param.data = torch.zeros((), dtype=dtype, device=device).expand(shape)
+                    set_data(param, torch.zeros((), dtype=dtype, device=device).expand(shape))
                     written.append(param)
     for param in written:
         restore(param)

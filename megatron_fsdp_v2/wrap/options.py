@@ -67,7 +67,7 @@ class WrapOptions:
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}.")
         if isinstance(module, wrapped_class):
             raise ValueError(f"module: {type(module).__name__} is already wrapped by fully_shard; wrap a module once.")
-        strategy = None if self.is_auto else get_strategy(self.sharding_strategy)
+        strategy = None if self.is_auto else get_strategy(self.sharding_strategy, also_allowed=("auto",))
         if self.auto_strategy is not None and not self.is_auto:
             raise ValueError(f"auto_strategy is used with sharding_strategy='auto' only, got sharding_strategy="
                              f"{self.sharding_strategy!r}; drop one of them.")

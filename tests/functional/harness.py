@@ -349,7 +349,7 @@ def batches(spec: GPTSpec, rank: int, world: World, n: Optional[int] = None) -> 
 
 # ---------------------------------------------------------------------------------------------
 # Re-exports: the training loops, curves and golden file (training.py) and the design sizes
-# (tests/design_sizes.py), under the names the tests and benchmarks/validate_megatron.py use. Imported
+# (tests/design_sizes.py), under the names the tests and validate_megatron.py use. Imported
 # last: both modules import the names above from here.
 # ---------------------------------------------------------------------------------------------
 

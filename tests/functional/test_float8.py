@@ -59,7 +59,7 @@ def _train(world, strategy: str, compiled: str, fused: bool, steps: int = STEPS,
     torch.manual_seed(0)
     model = Net().to(world.device)
     config = torchao_float8.Float8LinearConfig(enable_fsdp_float8_all_gather=True,
-                                               emulate=world.device.type != "cuda")   # CPU: benchmarks/float8_small_parity.py
+                                               emulate=world.device.type != "cuda")   # CPU: emulated
     torchao_float8.convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: fqn != "head")
     if compiled == "blocks":
         for block in model.blocks:

@@ -1,9 +1,10 @@
 """Saves killed for real (issue item 4): a rank ends with ``os._exit`` in the middle of
 ``save_checkpoint``, the way a crashed node ends, at three points: while rank 1 writes its shard
 file, between rank 0's two renames, and while rank 0 deletes ``ckpt.old`` (which used to break
-every later save with ``OSError: [Errno 39] Directory not empty: 'ckpt' -> 'ckpt.old'``). Then a
-new job loads the newest complete checkpoint, saves again and loads that. The rank that survived
-a kill must stop with an error, long before the process-group timeout.
+every later save with ``OSError: [Errno 39] Directory not empty: 'ckpt' -> 'ckpt.old'``); and
+rank 1 is SIGKILLed while the writer thread of ``async_save_checkpoint`` writes its shard (issue
+64). Then a new job loads the newest complete checkpoint, saves again and loads that. The rank
+that survived a kill must stop with an error, long before the process-group timeout.
 
 Two processes (one per rank) are started once; each forks one child per crash point, and the two
 children of a point form that point's process group, so the test pays for importing torch once.
@@ -15,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -24,28 +26,31 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from megatron_fsdp_v2 import ChecksummedFileSystemWriter, load_checkpoint, save_checkpoint
+from megatron_fsdp_v2 import ChecksummedFileSystemWriter, async_save_checkpoint, load_checkpoint, save_checkpoint
 
 from .dist_utils import run_distributed
 from .checkpoint_helpers import snapshot
 from .test_checkpoint_guarantees import build, same, train
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-KILLED = 17                                        # the victim's exit status
+KILLED = 17                                        # the victim's exit status (os._exit)
 TIMEOUT_S = 60                                     # the crashed job's process-group timeout
-VICTIM = {"writing": 1, "between_renames": 0, "deleting_old": 0}
-NEWEST_COMPLETE = {"writing": "A", "between_renames": "B", "deleting_old": "B"}
+VICTIM = {"writing": 1, "between_renames": 0, "deleting_old": 0, "async_writing": 1}
+NEWEST_COMPLETE = {"writing": "A", "between_renames": "B", "deleting_old": "B", "async_writing": "A"}
+EXIT_STATUS = {"async_writing": -signal.SIGKILL}   # else KILLED
 
 
-def _die(root):
+def _die(root, point=""):
     with open(f"{root}/killed_at", "w") as f:
         f.write(repr(time.time()))
+    if point in EXIT_STATUS:
+        os.kill(os.getpid(), signal.SIGKILL)
     os._exit(KILLED)
 
 
 def _arm(point, root):
     """Make this (victim) process end at ``point`` of the next save."""
-    if point == "writing":                         # after half of its shard file is on disk
+    if point in ("writing", "async_writing"):      # after half of its shard file is on disk
         write = ChecksummedFileSystemWriter.write_data
 
         def write_half_then_die(self, plan, planner):
@@ -55,7 +60,7 @@ def _arm(point, root):
                 if name.startswith(f"__{dist.get_rank()}_"):
                     with open(os.path.join(directory, name), "r+b") as f:
                         f.truncate(os.path.getsize(f.name) // 2)
-            _die(root)
+            _die(root, point)
         ChecksummedFileSystemWriter.write_data = write_half_then_die
     elif point == "between_renames":               # ckpt is ckpt.old now, ckpt.tmp not yet ckpt
         rename = os.rename
@@ -90,7 +95,10 @@ def _crashing_job(rank, world, root, point, init_file):
     dist.barrier()
     if rank == VICTIM[point]:
         _arm(point, root)
-    save_checkpoint(path, model, opt)
+    if point == "async_writing":
+        async_save_checkpoint(path, model, opt).result()
+    else:
+        save_checkpoint(path, model, opt)
 
 
 def crash_main(rank: int, world: int, base: str, points: list) -> None:
@@ -151,7 +159,7 @@ def test_a_killed_save_leaves_the_newest_complete_checkpoint_and_the_next_save_w
     reports = [json.load(open(tmp_path / f"report_{rank}.json")) for rank in range(2)]
     for point, victim in VICTIM.items():
         root = tmp_path / point
-        assert reports[victim][point] == KILLED, (point, reports, logs)
+        assert reports[victim][point] == EXIT_STATUS.get(point, KILLED), (point, reports, logs)
         survivor = 1 - victim
         assert reports[survivor][point] == 1, (point, reports)       # it raised; it did not hang or succeed
         waited = float((root / f"ended_{survivor}").read_text()) - float((root / "killed_at").read_text())

@@ -1,12 +1,14 @@
-"""The offloaded-step thread ends before the process group or the interpreter goes
-(comm/thread_shutdown.py, [Note: threads at exit]): joined at ``destroy_process_group`` and by an
-``atexit`` callback, so it is never killed inside torch's C++ code during finalization (about
-one CPU run in 16 ended with SIGABRT, "terminate called without an active exception").
-benchmarks/offload_clean_exit.py counts abnormal exits over many 2-rank runs."""
+"""Threads end before the process group or the interpreter goes (comm/thread_shutdown.py): the
+offloaded-step thread is joined at ``destroy_process_group`` and by an ``atexit`` callback ([Note:
+threads at exit]), and gloo's worker threads are joined inside ``destroy_process_group`` because our
+meshes let the group go ([Note: gloo's threads at exit]). Either, killed inside torch's C++ code
+during finalization, ends a finished run with SIGABRT, "terminate called without an active
+exception". benchmarks/exit_stress.py counts abnormal exits over many 2-rank runs of the README loop."""
 
 from __future__ import annotations
 
 import os
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -16,6 +18,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_fsdp_v2 import OffloadPolicy, fully_shard
+from megatron_fsdp_v2.comm.thread_shutdown import release_group_references
+from megatron_fsdp_v2.row_sharded import mesh_of_group
 from testing.thread_steps import observe_thread_steps
 
 from .dist_utils import run_distributed
@@ -112,3 +116,40 @@ def test_interpreter_exit_joins_the_offloaded_step_thread(tmp_path):
     # joined at exit, after stepping the 4 groups handed over by the last backward
     assert "at exit: 0 stepping threads, 0 os threads, 12 group steps" in done.stdout, output
     assert done.returncode == 0, output
+
+
+def test_destroy_process_group_joins_gloos_worker_threads_after_the_readme_loop(tmp_path):
+    """The README loop (benchmarks/exit_stress.py's worker, one rank) under ZeRO-3: gloo's 2 worker
+    threads are gone once ``destroy_process_group`` returns. While our meshes kept the group (the
+    script's --unfixed), both lived on into interpreter finalization, where the abort happens."""
+    done = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "exit_stress.py"), "--world-size", "1", "--worker",
+         "optim_grads_params", "0", str(tmp_path / "init"), str(tmp_path)], capture_output=True, text=True,
+        timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    output = done.stdout + done.stderr
+    assert "rank 0 done, gloo worker threads 2 -> 0 at destroy_process_group" in done.stdout, output
+    assert done.returncode == 0, output
+
+
+def release_worker(rank, world_size):
+    """The registries of a mesh of ours over a subgroup, of its unpickled copy (what ``torch.load``
+    of a parameter makes) and of a mesh over the default group, before and after the subgroup's
+    references are released."""
+    sub = dist.new_group(list(range(world_size)))
+    mesh, world_mesh = mesh_of_group(sub, torch.device("cpu")), mesh_of_group(None, torch.device("cpu"))
+    copy = pickle.loads(pickle.dumps(mesh))
+    names = lambda: [sorted(m._pg_registry) for m in (mesh, copy, world_mesh)]     # noqa: E731
+    before = names()
+    release_group_references(sub, copies=False)         # destroy_process_group(sub)
+    ours_only = names()
+    release_group_references(sub, copies=True)          # destroy_process_group(): copies too
+    after = names()
+    dist.destroy_process_group(sub)
+    return sub.group_name, dist.group.WORLD.group_name, before, ours_only, after
+
+
+def test_destroying_a_group_releases_our_meshes_and_at_the_end_their_copies_only_of_it():
+    for sub, world, before, ours_only, after in run_distributed(release_worker, 2):
+        assert before == [[sub], [sub], [world]]
+        assert ours_only == [[], [sub], [world]]
+        assert after == [[], [], [world]]

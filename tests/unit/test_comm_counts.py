@@ -96,7 +96,7 @@ def test_optim_issues_nothing_before_the_last_microbatch():
 def test_bytes_moved_are_the_padded_buffers_at_dp4():
     """Each collective moves exactly the layout's padded buffers: every parameter cut into dp pieces
     of ``ceil(rows / dp)`` rows (torch.chunk's, as FSDP2 pads; < 0.3% on LLM shapes at dp <= 256:
-    benchmarks/layout_padding.py). This toy's parameters have few rows, so at dp 4 it pads 17%."""
+    docs/benchmarks_history.md, "ZeRO-1/2 per-parameter shards"). This toy's parameters have few rows, so at dp 4 it pads 17%."""
     phases, stats, padded, true_numel = run_distributed(count_phases_worker, 4, "optim_grads")[0]
     moved_per_collective = stats["all_gather"]["bytes"]      # one all-gather of every group per step
     assert moved_per_collective == 4 * sum(padded)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import traceback
+import warnings
 
 import pytest
 import torch
@@ -394,11 +395,15 @@ def summon(rank, strategy):
     with model.summon_full_params():
         out["inside_shape"] = tuple(model.head.weight.shape)
         out["inside_diff"] = float((model.head.weight - full["head.weight"]).abs().max())
-        out["norm"] = float(model.blocks[0].up.weight.norm())
-        with torch.no_grad():
-            model.head.weight.mul_(0.5)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out["norm"] = float(model.blocks[0].up.weight.norm())      # no graph: torch's scalar warning stays away
+        out["inside_warnings"] = [str(w.message) for w in caught]
+        out["inside_grad_mode"] = torch.is_grad_enabled()
+        model.head.weight.mul_(0.5)                                    # in place, no torch.no_grad() needed
+    out["after_grad_mode"] = torch.is_grad_enabled()
     out["writeback_diff"] = float((model.full_state_dict()["head.weight"] - 0.5 * full["head.weight"]).abs().max())
-    with summon_full_params(model, writeback=False), torch.no_grad():
+    with summon_full_params(model, writeback=False):
         model.head.weight.zero_()
     out["discard_diff"] = float((model.full_state_dict()["head.weight"] - 0.5 * full["head.weight"]).abs().max())
     out["want_norm"] = float(full["blocks.0.up.weight"].norm())
@@ -573,13 +578,14 @@ def test_buffers_broadcast_like_ddp_and_batchnorm_under_bf16(habits, strategy):
 
 
 @pytest.mark.parametrize("strategy", STRATEGY_NAMES)
-def test_summon_full_params_gathers_and_writes_back(habits, strategy):
+def test_summon_full_params_gathers_and_writes_back_with_grad_mode_off(habits, strategy):
     for rank, rank_results in enumerate(habits):
         out = _ok(rank_results, "summon", strategy)
         # between steps the module holds the tensor the optimizer steps (original shape, every strategy)
         assert out["outside_shape"] == (5, 13) and out["outside_is_optimizer_tensor"]
         assert out["inside_shape"] == (5, 13) and out["inside_diff"] == 0.0
         assert out["norm"] == pytest.approx(out["want_norm"]) and out["norm"] > 0
+        assert out["inside_warnings"] == [] and out["inside_grad_mode"] is False and out["after_grad_mode"] is True
         assert out["writeback_diff"] == 0.0 and out["discard_diff"] == 0.0
         assert out["forward_diff"] < 1e-6
         assert out["with_grads_diff"] < 1e-6 and out["offloaded_device"] == "cpu"

@@ -125,11 +125,11 @@ def verbs_worker(rank, world_size):
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         opt.step()
         groups = model._fsdp_engine.groups
-        out[(strategy, "owners")] = (any(g._pending_refresh is not None for g in groups),
+        out[(strategy, "owners")] = (any(g.pending_refresh is not None for g in groups),
                                      any(g._pending_unshard is not None for g in groups),
                                      hasattr(groups[0], "_pending_reduce"))
         model.unshard()
-        out[(strategy, "after_unshard")] = any(g._pending_refresh is not None for g in groups)
+        out[(strategy, "after_unshard")] = any(g.pending_refresh is not None for g in groups)
         with torch.no_grad():
             before = model(x)
             model.reshard()

@@ -10,10 +10,11 @@ from .dist_utils import run_distributed
 from .models import Block, UnevenNet
 
 
-def test_unknown_strategy(single_rank_group):
-    with pytest.raises(ValueError, match=r"sharding_strategy must be one of \['no_shard', 'optim', "
-                                         r"'optim_grads', 'optim_grads_params'\], got 'zero4'"):
+def test_unknown_strategy_error_lists_auto_too(single_rank_group):
+    with pytest.raises(ValueError) as info:
         fully_shard(UnevenNet(), sharding_strategy="zero4")
+    assert str(info.value) == ("sharding_strategy must be one of ['no_shard', 'optim', 'optim_grads', "
+                               "'optim_grads_params', 'auto'], got 'zero4'.")
 
 
 def test_unknown_allocator(single_rank_group):

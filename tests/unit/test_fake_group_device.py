@@ -1,7 +1,7 @@
 """A model built on the meta device and wrapped over torch's fake process group (one process
 playing rank 0 of N, to measure a rank's memory before launch) is materialized on the current
-accelerator, as under NCCL in the real job, not on the CPU (bench_largest.py --fake-world-size 8
-failed in the embedding with "index is on cuda:0, different from other tensors on cpu")."""
+accelerator, as under NCCL in the real job, not on the CPU (the largest-model search at a fake
+8-way group, docs/benchmarks_history.md, failed in the embedding with "index is on cuda:0, different from other tensors on cpu")."""
 
 from __future__ import annotations
 

@@ -188,6 +188,45 @@ def test_zero3_gathers_float8_bytes(strategy):
     assert fp8["scales"] == {"count": gathers * 2, "bytes": gathers * 2 * 4} and bf16["scales"] is None
 
 
+def meta_worker(rank, world_size, strategy):
+    """The same float8 model built eagerly and on meta, wrapped and trained 3 steps."""
+    out = {}
+    for where in ("cpu", "meta"):
+        torch.manual_seed(0)
+        with torch.device(where):
+            model = Net()
+        config = torchao_float8.Float8LinearConfig(enable_fsdp_float8_all_gather=True, emulate=True)
+        torchao_float8.convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: fqn != "head")
+        model = fully_shard(model, sharding_strategy=strategy, unit_modules=[Block])
+        weights = model.full_state_dict()
+        classes = sorted({g.name.rsplit("/", 1)[-1] for g in model._fsdp_engine.groups if g.extension is not None})
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        g = torch.Generator().manual_seed(rank)
+        x, y = torch.randn(16, WIDTH, generator=g), torch.randn(16, 1, generator=g)
+        losses = []
+        for _ in range(3):
+            loss = (model(x) - y).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            torchao_float8.precompute_float8_dynamic_scale_for_fsdp(model)
+            losses.append(loss.item())
+        out[where] = (weights, classes, losses)
+    return out
+
+
+@pytest.mark.parametrize("strategy", ["optim", "optim_grads_params"])
+def test_a_float8_model_built_on_meta_keeps_its_class_and_the_eager_weights(strategy):
+    """wrap/meta_init.py's placeholders keep a protocol tensor's class: before, a float8 model built
+    on meta lost torchao's weight class at the wrap and gathered bf16."""
+    for rank, out in enumerate(run_distributed(meta_worker, 2, strategy)):
+        (eager, eager_classes, eager_losses), (meta, meta_classes, meta_losses) = out["cpu"], out["meta"]
+        assert meta_classes == eager_classes == ["WeightWithDynamicFloat8CastTensor"], (rank, meta_classes)
+        assert sorted(meta) == sorted(eager)
+        assert all(torch.equal(meta[name], eager[name]) for name in eager), rank
+        assert meta_losses == eager_losses, (rank, meta_losses, eager_losses)
+
+
 # ---------------------------------------------------------------- refusals
 class OpaqueTensor(torch.Tensor):
     """A tensor subclass with no all-gather protocol."""

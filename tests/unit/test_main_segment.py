@@ -93,7 +93,7 @@ def test_zero2_keeps_one_allocation_per_group(layouts):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the caching allocator's rounding")
 def test_zero3_step_holds_no_more_than_fsdp2_on_the_gpu(tmp_path):
-    """benchmarks/step_memory.py (FSDP2's memory-test model, ours and FSDP2 in child processes,
+    """tests/functional/step_memory.py (FSDP2's memory-test model, ours and FSDP2 in child processes,
     world 1 and ranks of fake 2 and 8): at every configuration ours holds no more than FSDP2 when
     the step begins and peaks no higher during it. At world 1 with a buffer per group it held
     3.07 MB more and peaked 4.11 MB higher (368.19 vs 364.08 MB): the allocator's unsplit
@@ -102,7 +102,7 @@ def test_zero3_step_holds_no_more_than_fsdp2_on_the_gpu(tmp_path):
     import subprocess
     import sys
     out = tmp_path / "step_memory.json"
-    done = subprocess.run([sys.executable, "benchmarks/step_memory.py", "--out", str(tmp_path / "m.md"),
+    done = subprocess.run([sys.executable, "-m", "tests.functional.step_memory", "--out", str(tmp_path / "m.md"),
                            "--json", str(out)], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     for config in json.loads(out.read_text()):

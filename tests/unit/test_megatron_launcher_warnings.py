@@ -1,5 +1,7 @@
-"""examples/pretrain_gpt.py shows each of Megatron's warnings once per process; ``--verbose``
-keeps Megatron's default (every issuing line once, every log call)."""
+"""examples/pretrain_gpt.py shows each of Megatron's warnings once per process, and the notices that
+need no action as one line per kind (megatron_fsdp_v2/notices.py; tests/unit/test_notices.py);
+``--verbose`` keeps Megatron's default (every issuing line once, every log call). A refused command
+line reads once, on rank 0."""
 
 from __future__ import annotations
 
@@ -54,8 +56,10 @@ def launcher():
     """The launcher module; the logger filters it installs are removed afterwards (warnings' filters
     are restored by each test's catch_warnings)."""
     from examples import pretrain_gpt
+    from megatron_fsdp_v2.notices import stop_summarizing
 
     yield pretrain_gpt
+    stop_summarizing()
     for name in pretrain_gpt.REPEATING_MEGATRON_LOGGERS:
         for f in [f for f in logging.getLogger(name).filters if isinstance(f, pretrain_gpt.OncePerMessage)]:
             logging.getLogger(name).removeFilter(f)
@@ -76,14 +80,16 @@ def test_repeated_warnings_show_once_without_verbose(launcher):
         before = list(warnings.filters)
         assert launcher.set_up_warnings(LAUNCHER_ARGS) is True
         assert warnings.filters == before                       # no filter changes: categories as they were
-        assert _shown_twice_from_two_modules(f"Apex is not installed {uuid.uuid4()}", shown) == 1
-        assert _logged_twice(f"GPTModel IS DEPRECATED {uuid.uuid4()}") == 1
+        assert _shown_twice_from_two_modules(f"Megatron says {uuid.uuid4()}", shown) == 1
+        assert _logged_twice(f"GPT says {uuid.uuid4()}") == 1
+        assert _shown_twice_from_two_modules(f"Apex is not installed {uuid.uuid4()}", shown) == 0   # a notice:
+        assert _logged_twice(f"GPTModel IS DEPRECATED {uuid.uuid4()}") == 0                         # summarized
         for line in (1, 2):                                      # another package's: as before
             warnings.warn_explicit("elsewhere", UserWarning, "/my_pkg/x.py", line, module="my_pkg", registry={})
         assert [str(m) for m in shown].count("elsewhere") == 2
         launcher.set_up_warnings(LAUNCHER_ARGS)                  # idempotent
-        assert len(logging.getLogger(GPT_LOGGER).filters) == 1
-        assert _shown_twice_from_two_modules(f"Apex is not installed {uuid.uuid4()}", shown) == 1
+        assert len(logging.getLogger(GPT_LOGGER).filters) == 2            # once per message, the notices
+        assert _shown_twice_from_two_modules(f"Megatron says {uuid.uuid4()}", shown) == 1
 
 
 def test_verbose_keeps_megatrons_default(launcher):
@@ -94,3 +100,25 @@ def test_verbose_keeps_megatrons_default(launcher):
         assert warnings.showwarning is show
         assert _shown_twice_from_two_modules(f"Apex is not installed {uuid.uuid4()}", shown) == 2
         assert _logged_twice(f"GPTModel IS DEPRECATED {uuid.uuid4()}") == 2
+
+
+@pytest.mark.parametrize("rank, printed", [("0", 1), ("1", 0)])
+def test_megatron_fsdp_without_fsdp_dtensor_stops_with_one_message_naming_the_flag(launcher, monkeypatch, capsys,
+                                                                                  rank, printed):
+    """Megatron-LM would stop on its assertion with a traceback per rank; the launcher says it once."""
+    monkeypatch.setenv("RANK", rank)
+    with warnings.catch_warnings():
+        with pytest.raises(SystemExit) as exit_info:
+            launcher.main(LAUNCHER_ARGS + ["--use-megatron-fsdp", "--use-distributed-optimizer"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    want = ("error: examples/pretrain_gpt.py: --use-megatron-fsdp needs --ckpt-format fsdp_dtensor (Megatron-LM's "
+            "validation demands it with Megatron-FSDP), got --ckpt-format torch_dist; add --ckpt-format fsdp_dtensor.")
+    assert err.count(want) == printed and ("Traceback" in err) is False
+    with pytest.raises(launcher.LauncherArgumentError, match="--use-megatron-fsdp needs --ckpt-format fsdp_dtensor"):
+        launcher.parse_args(LAUNCHER_ARGS + ["--use-megatron-fsdp"])
+    from megatron.training import arguments
+
+    monkeypatch.setattr(arguments, "get_device_arch_version", lambda: 9)     # validation reads the GPU: Hopper's
+    assert launcher.parse_args(LAUNCHER_ARGS + ["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"]) \
+        .megatron_fsdp_command_line is True

@@ -232,9 +232,17 @@ def _launcher(world_size):
 
     from examples import pretrain_gpt
 
+    from megatron.training import arguments
+
     out = {}
-    readme = pretrain_gpt.parse_args(readme_cpu_command())       # Megatron-LM's parsing and validation
-    out["readme_cpu"] = (readme.data_parallel_sharding_strategy, readme.distributed_backend, readme.train_iters)
+    # Megatron-LM's parsing and validation; with --use-megatron-fsdp it reads the GPU generation: Hopper's
+    saved, arguments.get_device_arch_version = arguments.get_device_arch_version, lambda: 9
+    try:
+        readme = pretrain_gpt.parse_args(readme_cpu_command())
+    finally:
+        arguments.get_device_arch_version = saved
+    out["readme_cpu"] = (readme.data_parallel_sharding_strategy, readme.distributed_backend, readme.train_iters,
+                         readme.megatron_fsdp_command_line, readme.ckpt_format_fsdp_dtensor)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         args = pretrain_gpt.parse_args(LAUNCHER_ARGS)
@@ -313,10 +321,10 @@ def test_refusal_raises_on_every_rank(two_ranks):
 
 
 def test_readme_cpu_command_is_a_valid_launch(two_ranks):
-    """README's way to run the Megatron path without a GPU names a script that exists and arguments
-    Megatron-LM's validation accepts (the whole run, 4 iterations on 2 gloo ranks, is the README's)."""
+    """README's way to run the Megatron path without a GPU names a script that exists and a
+    Megatron-FSDP command line Megatron-LM's validation accepts (test_doc_snippets.py runs it)."""
     assert (REPO / "testing" / "pretrain_gpt_cpu.py").is_file()
-    assert two_ranks[0]["readme_cpu"] == ("optim_grads", "gloo", 4)
+    assert two_ranks[0]["readme_cpu"] == ("optim_grads", "gloo", 4, True, True)
 
 
 def test_launcher_takes_offload_refuses_precision_aware_alone_and_is_quiet_at_defaults(two_ranks):

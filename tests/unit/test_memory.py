@@ -93,7 +93,7 @@ def root_split_worker(rank, world_size):
         samples = []
         for param in (p for g in engine.groups for p in g.params):      # the compute parameters
             param.register_post_accumulate_grad_hook(lambda p: samples.append(
-                alloc.live_bytes + sum(g._unreduced.nbytes() for g in engine.groups)))
+                alloc.live_bytes + sum(g.unreduced_grads.nbytes() for g in engine.groups)))
         # the root groups still gathered when the last block's first gradient arrives (mid-backward)
         gathered_mid_backward = []
         engine.units[-1].groups[0].params[0].register_post_accumulate_grad_hook(lambda p: gathered_mid_backward.append(

@@ -270,7 +270,7 @@ def _init_fn_worker(rank, world):
 def test_an_init_fn_run_on_every_module_keeps_one_module_materialized_and_its_values_in_fp32():
     # With init_fn every module is an initializer step, the root's too: its subtree is the model,
     # so the whole model stayed materialized until the root's step (a 66.7B GPT at a fake 8-way
-    # group ran out of memory in the wrap: benchmarks/bench_largest.py BENCH_OOM_LIVE=1). Only the
+    # group ran out of memory in the wrap: docs/benchmarks_history.md, "Offload, 2026-12-03 evening"). Only the
     # parameters an initializer touches count now. And ZeRO-3's placeholders already carried the
     # bf16 compute dtype, so the values were drawn in bf16: they are drawn in the dtype the model
     # was built in, bitwise the eager initialization's.
@@ -278,3 +278,36 @@ def test_an_init_fn_run_on_every_module_keeps_one_module_materialized_and_its_va
         for strategy, (differing, peak_share) in out.items():
             assert differing == [], (rank, strategy, differing)
             assert peak_share < 0.25, (rank, strategy, peak_share)
+
+
+class AssignsData(nn.Module):
+    """An initializer that replaces ``.data`` instead of writing into it."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.empty(4, 3))
+        self.b = nn.Parameter(torch.empty(3))
+
+    def reset_parameters(self):
+        self.w.data = torch.full_like(self.w, 2.0)     # reads w: the dry run sees it touched
+        nn.init.constant_(self.b, 3.0)
+
+    def forward(self, x):
+        return x @ self.w + self.b
+
+
+def _assigns_data_worker(rank, world):
+    out = {}
+    for strategy in ("optim_grads_params", "no_shard"):
+        with torch.device("meta"):
+            module = AssignsData()
+        full = fully_shard(module, sharding_strategy=strategy).full_state_dict()
+        out[strategy] = (full["w"].unique().tolist(), full["b"].unique().tolist())
+    return out
+
+
+def test_an_initializer_that_assigns_data_lands_in_the_main_weights_at_dp1():
+    """At dp 1 (and under no_shard) initializers write straight into the main piece; an initializer
+    that sets ``.data`` to a new tensor instead still has its values stored (wrap/meta_init.py)."""
+    (out,) = run_distributed(_assigns_data_worker, 1)
+    assert out == {"optim_grads_params": ([2.0], [3.0]), "no_shard": ([2.0], [3.0])}

@@ -354,3 +354,126 @@ def test_exchange_delivers_every_matrix_whole_to_its_owner_and_rows_back(size):
 def test_muon_refuses_non_matrices_marked_use_muon():
     with pytest.raises(ValueError, match="use_muon=True holds a parameter of shape \\(3,\\)"):
         Muon([{"params": [nn.Parameter(torch.zeros(3))], "use_muon": True}])
+
+
+
+class WideBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.ff = nn.Linear(width, width)
+
+    def forward(self, x):
+        return x + torch.relu(self.ff(x))
+
+
+class WideNet(nn.Module):
+    """64-wide matrices (MuonNet's 6-wide ones show no bfloat16 flip in a few steps): an embedding
+    and a head (AdamW) around two blocks."""
+
+    def __init__(self, vocab: int = 256, width: int = 64) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, width)
+        self.blocks = nn.Sequential(WideBlock(width), WideBlock(width))
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, tokens):
+        return self.head(self.blocks(self.emb(tokens)))
+
+
+STEPS = 3
+
+
+def _wide_batches(step: int, rank: int, micro_batches: int) -> list:
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return [torch.randint(0, 256, (4, 16), generator=g) for _ in range(micro_batches)]
+
+
+def _wide_steps(model, optimizers: list, batches, no_sync) -> dict:
+    """STEPS steps of next-token cross-entropy over ``batches(step)`` (the last outside ``no_sync``);
+    returns the first step's full gradients."""
+    first = {}
+    for step in range(STEPS):
+        micro = batches(step)
+        for i, tokens in enumerate(micro):
+            with no_sync() if i < len(micro) - 1 else contextlib.nullcontext():
+                logits = model(tokens)[:, :-1].reshape(-1, 256)
+                (nn.functional.cross_entropy(logits, tokens[:, 1:].reshape(-1)) / len(micro)).backward()
+        if step == 0:
+            first = {n: _full(p.grad) for n, p in getattr(model, "module", model).named_parameters()}
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad()
+    return first
+
+
+def _torch_optimizers(named: list) -> list:
+    """torch.optim.Muon for the matrices, torch.optim.AdamW for the rest (the Shadow's split)."""
+    return [torch.optim.Muon([p for n, p in named if _is_muon(n, p)], **HYPER),
+            torch.optim.AdamW([p for n, p in named if not _is_muon(n, p)], **ADAMW)]
+
+
+def data_parallel_muon_worker(rank, world, strategy, micro_batches):
+    """The full weights after STEPS steps of ours and of torch DDP with torch.optim.Muon + AdamW
+    (both on ``world`` ranks), and, on rank 0, of one process given every rank's micro-batches as one batch."""
+    torch.manual_seed(0)
+    ours = fully_shard(WideNet(), sharding_strategy=strategy, unit_modules=[WideBlock])
+    grads = {}
+    grads["ours"] = _wide_steps(ours, [_muon_for(ours)], lambda step: _wide_batches(step, rank, micro_batches), ours.no_sync)
+    torch.manual_seed(0)
+    ddp = nn.parallel.DistributedDataParallel(WideNet())
+    grads["ddp"] = _wide_steps(ddp, _torch_optimizers(list(ddp.module.named_parameters())),
+                lambda step: _wide_batches(step, rank, micro_batches), ddp.no_sync)
+    out = {"ours": {n: _full(p) for n, p in ours.named_parameters()},
+           "ddp": {n: _full(p) for n, p in ddp.module.named_parameters()}, "grads": grads}
+    if rank == 0:
+        torch.manual_seed(0)
+        single = WideNet()
+        grads["one_process"] = _wide_steps(single, _torch_optimizers(list(single.named_parameters())),
+                    lambda step: [torch.cat([t for r in range(world) for t in _wide_batches(step, r, micro_batches)])],
+                    contextlib.nullcontext)
+        out["one_process"] = {n: p.detach().clone() for n, p in single.named_parameters()}
+    return out
+
+
+def _largest_difference(a: dict, b: dict) -> float:
+    return max((a[n] - b[n]).abs().max().item() for n in a)
+
+
+@pytest.mark.parametrize("strategy, micro_batches", [("no_shard", 2), ("optim_grads_params", 1), ("optim_grads_params", 2)])
+def test_muon_on_two_ranks_is_torch_ddp_with_torch_muon(strategy, micro_batches):
+    """What "torch.optim.Muon's update" means on 2 ranks (docs/user_guide.md, "Muon"). Ours equals
+    torch DDP with torch.optim.Muon bitwise wherever the gradients are summed in DDP's order
+    (no_shard; every strategy at one micro-batch per step); ZeRO-2/3 reduce-scatter every micro-batch
+    (over ranks, then over micro-batches): a rounding away. Both are as far from one process given
+    every rank's micro-batches as one batch (at most a few lr x bfloat16 ulps of Newton-Schulz's output per step):
+    its gradients sum the same products in another order (one matmul over the whole batch), last
+    bits apart, and where
+    such a difference crosses a bfloat16 rounding boundary Newton-Schulz spreads it (below)."""
+    results = run_distributed(data_parallel_muon_worker, 2, strategy, micro_batches)
+    for out in results:
+        if strategy == "no_shard" or micro_batches == 1:
+            assert _largest_difference(out["ours"], out["ddp"]) == 0.0
+        else:
+            assert 0.0 < _largest_difference(out["ours"], out["ddp"]) <= 1e-6
+    ours, ddp, one = results[0]["ours"], results[0]["ddp"], results[0]["one_process"]
+    grads = results[0]["grads"]
+    differing = (grads["ddp"]["blocks.0.ff.weight"] != grads["one_process"]["blocks.0.ff.weight"]).sum().item()
+    assert differing > 100 and _largest_difference(grads["ddp"], grads["one_process"]) < 1e-6
+    assert _largest_difference(ddp, one) < 1e-3
+    assert _largest_difference(ours, one) == pytest.approx(_largest_difference(ddp, one), rel=0.01, abs=1e-6)
+
+
+def test_newton_schulz_spreads_one_flipped_bfloat16_element_over_the_matrix():
+    """Why a last-bit gradient difference shows at all: once an fp32 difference crosses a bfloat16
+    rounding boundary of Newton-Schulz's input, one element 1 ulp apart makes most of the output
+    differ (every matmul mixes every element, each result rounded to bfloat16 again), by up to
+    a few bfloat16 ulps of the output: times lr per step in the weights."""
+    from megatron_fsdp_v2.optim.newton_schulz import DEFAULT_NS_COEFFICIENTS, zeropower_via_newtonschulz
+
+    matrix = torch.randn(64, 64, generator=torch.Generator().manual_seed(0)).bfloat16()
+    flipped = matrix.clone()
+    flipped[0, 0] = torch.nextafter(flipped[0, 0], torch.tensor(float("inf"), dtype=torch.bfloat16))
+    a, b = (zeropower_via_newtonschulz(m, DEFAULT_NS_COEFFICIENTS, 5, 1e-7).float() for m in (matrix, flipped))
+    assert (a != b).sum().item() > 64 * 64 // 2
+    assert 1e-3 < (a - b).abs().max().item() < 0.05
+

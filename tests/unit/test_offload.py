@@ -257,7 +257,7 @@ def test_released_compute_shards_train_bitwise_alike_and_leave_the_device():
             assert on_device[1:] == [expected] * 5, (fraction, on_device)
             # the first forward, the order still unknown: no unit is taken for the last, none
             # copied again ahead (every unit's was, 1.4 GiB live at the first backward's peak
-            # on the 941M GPT: benchmarks/peak_breakdown.py --warmup 0)
+            # on the 941M GPT: docs/benchmarks_history.md, "Offload, 2026-12-03 night")
             assert on_device[0] == expected[:-1] + [False], (fraction, on_device)
             # after every backward none: the root's goes after its gather at the start of backward
             assert after_backward == [[False] * len(expected)] * 6, (fraction, after_backward)
@@ -281,7 +281,7 @@ def test_a_host_piece_faces_the_optimizer_without_a_copy_to_the_device():
     # An offloaded group's main weights and gradients are host pieces of DTensors on the
     # accelerator's mesh; DTensor.from_local moved every such piece to the mesh's device (a full
     # synchronous copy per parameter each time .grad was attached: ~150 ms per step on the 941M
-    # GPT at f = 1, found with benchmarks/profile_step.py PROFILE_SYNC_STACKS=1).
+    # GPT at f = 1, found with a profiler: docs/benchmarks_history.md, "Offload, 2026-12-03 night").
     moved, shared, shape = run_distributed(_host_piece_copies, 1)[0]
     assert moved == [] and shared and shape == (3, 4)
 

@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_fsdp_v2 import CollectiveMismatchError, export_full_state_dict, fully_shard, save_checkpoint
-from megatron_fsdp_v2.comm.ledger import CHECK_ENV, CollectiveLedger, LedgerMode, ledger_for
+from megatron_fsdp_v2.comm.ledger import CHECK_ENV, CollectiveLedger, LedgerMode
+from megatron_fsdp_v2.comm.ledger_registry import ledger_for
 from megatron_fsdp_v2.comm.watchdog import KEY_PREFIX, LedgerWatchdog, first_difference
 
 from .dist_utils import run_distributed

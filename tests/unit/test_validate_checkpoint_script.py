@@ -1,4 +1,4 @@
-"""The comparison logic of ``benchmarks/validate_megatron_checkpoint.py`` (the GPU validation of
+"""The comparison logic of ``tests/functional/validate_megatron_checkpoint.py`` (the GPU validation of
 checkpoints across data-parallel sizes), on CPU, gloo:
 
 * a checkpoint saved at dp 2 (``optim_grads_params``: every tensor in several chunks), loaded at dp 1
@@ -24,9 +24,9 @@ if importlib.util.find_spec("megatron.core") is None:
 from tests.megatron_cpu import run_distributed  # noqa: E402
 
 def _script():
-    from tests.benchmark_modules import load_benchmark_module
+    from tests.functional import validate_megatron_checkpoint
 
-    return load_benchmark_module("validate_megatron_checkpoint")
+    return validate_megatron_checkpoint
 
 
 def save_worker(rank, world_size, path, strategy):

@@ -18,7 +18,7 @@ import torch.nn as nn
 
 from ... import checkpoint as core_checkpoint
 
-__all__ = ["checkpoint_targets", "load_checkpoint", "save_checkpoint"]
+__all__ = ["async_save_checkpoint", "checkpoint_targets", "load_checkpoint", "save_checkpoint"]
 
 
 def _fully_sharded_module(model) -> nn.Module:
@@ -54,6 +54,12 @@ def checkpoint_targets(model, optimizer=None) -> tuple:
 def save_checkpoint(path: "str | os.PathLike", model, optimizer: Optional[object] = None) -> None:
     """``megatron_fsdp_v2.save_checkpoint`` for a ``FullyShardedDataParallel`` and Megatron optimizer."""
     core_checkpoint.save_checkpoint(path, *checkpoint_targets(model, optimizer))
+
+
+def async_save_checkpoint(path: "str | os.PathLike", model, optimizer: Optional[object] = None):
+    """``megatron_fsdp_v2.async_save_checkpoint`` for a ``FullyShardedDataParallel`` and Megatron
+    optimizer: a ``concurrent.futures.Future``."""
+    return core_checkpoint.async_save_checkpoint(path, *checkpoint_targets(model, optimizer))
 
 
 def load_checkpoint(path: "str | os.PathLike", model, optimizer: Optional[object] = None) -> None:

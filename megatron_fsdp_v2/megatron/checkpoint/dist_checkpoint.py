@@ -68,16 +68,16 @@ import torch
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
 from ...checkpoint.dcp_format import FlatRangeShard
-from ...checkpoint.integrity import verify_directory, write_directory_manifest
+from ...checkpoint.integrity import verification_scope, verify_directory, write_directory_manifest
 from ...checkpoint.safe_reader import SafeFileSystemReader
 from ...checkpoint.state_dict import CLASS_KEY, load_optimizer_state_dict, model_state_dict, optimizer_state_dict
 from . import distopt_format
 from .loaded_values import from_loaded
+from .placement import Placement
 
 __all__ = ["FORMAT_KEY", "Placement", "ShardedModelCheckpoint", "ShardedOptimizerCheckpoint", "from_loaded",
            "install_model_checkpointing", "install_optimizer_checkpointing", "load_dist_checkpoint",
-           "read_optimizer_layout",
-           "safe_dcp_reading", "MegatronLayout", "megatron_layout", "model_sharded_state_dict",
+           "read_optimizer_layout", "safe_dcp_reading", "MegatronLayout", "megatron_layout", "model_sharded_state_dict",
            "model_values_from_loaded", "save_dist_checkpoint", "to_sharded"]
 
 logger = logging.getLogger(__name__)
@@ -85,22 +85,6 @@ logger = logging.getLogger(__name__)
 #: Marks an optimizer sharded state dict as ours; its value is the format version.
 FORMAT_KEY = "megatron_fsdp_v2_format"
 FORMAT_VERSION = 2      # 2: optimizer state under Megatron's (stacked) parameter keys; 1: parameter names
-
-
-class Placement(NamedTuple):
-    """Where Megatron's own ``sharded_state_dict`` puts a parameter: its checkpoint key, the
-    leading axes it prepends (transformer layers are stacked under one key, the layer number is the
-    offset on a prepended axis), and for a tensor-parallel slice where this rank's slice sits in
-    the whole tensor (``tensor_offsets`` into ``tensor_shape``). ``replica_id`` is Megatron's
-    (``(0, tp_rank, dp_rank)`` for a tensor-parallel replica such as a layer norm); its last
-    element, the data-parallel one, is ours to set. ``Placement(name)``: a tensor without one."""
-
-    key: str
-    prepend_offsets: tuple = ()
-    prepend_shape: tuple = ()
-    tensor_offsets: tuple = ()
-    tensor_shape: tuple = ()
-    replica_id: object = 0
 
 
 def _with_data_parallel_replica(replica_id, dp_replica: int):
@@ -579,22 +563,23 @@ def safe_dcp_reading():
 
 def load_dist_checkpoint(path: "str | os.PathLike", model, optimizer=None) -> None:
     """Load what ``save_dist_checkpoint`` (or Megatron-LM, or Megatron's DDP for the model part)
-    wrote, at any data-parallel size and strategy. Files are read through
-    ``SafeFileSystemReader`` (``safe_dcp_reading``), so nothing outside torch's weights-only
-    allow-list is unpickled; where the directory has a checksum manifest (``save_dist_checkpoint``
-    writes one), every file is checked first and a mismatch raises on every rank naming the file."""
+    wrote, at any data-parallel size and strategy. Files are read through ``SafeFileSystemReader``
+    (``safe_dcp_reading``), so nothing outside torch's weights-only allow-list is unpickled; where
+    the directory has a checksum manifest (``save_dist_checkpoint`` writes one), every file is
+    checked first, once, and a mismatch raises on every rank naming the file."""
     from megatron.core import dist_checkpointing
 
     model_sd = model.sharded_state_dict()
     state = {"model": model_sd}
-    verify_directory(path)                 # before Megatron reads: a mismatch raises on every rank
-    if optimizer is not None:
-        read_optimizer_layout(optimizer, os.fspath(path))
-        with safe_dcp_reading():           # as Megatron-LM's load_checkpoint: the saving run's metadata
-            metadata = dist_checkpointing.load_content_metadata(os.fspath(path)) or {}
-        state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=dict(metadata))
-    with safe_dcp_reading():
-        loaded = dist_checkpointing.load(state, os.fspath(path))
+    with verification_scope():             # verified before Megatron reads, and not again by its readers
+        verify_directory(path)
+        if optimizer is not None:
+            read_optimizer_layout(optimizer, os.fspath(path))
+            with safe_dcp_reading():       # as Megatron-LM's load_checkpoint: the saving run's metadata
+                metadata = dist_checkpointing.load_content_metadata(os.fspath(path)) or {}
+            state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=dict(metadata))
+        with safe_dcp_reading():
+            loaded = dist_checkpointing.load(state, os.fspath(path))
     model.load_state_dict(loaded["model"])
     if optimizer is not None:
         optimizer.load_state_dict(loaded["optimizer"])

@@ -48,6 +48,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTenso
 
 from ...checkpoint.dcp_format import FlatRangeShard
 from .loaded_values import from_loaded
+from .placement import Placement
 
 __all__ = ["DP_RESHARDABLE", "FULLY_RESHARDABLE", "MEGATRON_TYPES", "RESHARDABLE_OPTION", "BucketSlot",
            "bucket_mismatch", "bucket_offsets", "loading_requests", "megatron_bucket_size", "refusal",
@@ -198,8 +199,6 @@ def placed(leaf, name: str) -> Optional[tuple]:
     shape = getattr(leaf, "_fsdp_v2_shapes", {}).get(name)
     if shape is None:
         return None
-    from .dist_checkpoint import Placement
-
     return Placement(name, replica_id=(0, leaf._fsdp_v2_tp_rank, 0)), shape
 
 

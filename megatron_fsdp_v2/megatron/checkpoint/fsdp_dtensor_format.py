@@ -51,13 +51,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from ...checkpoint.collective_errors import raise_on_every_rank
-from ...checkpoint.integrity import ChecksummedFileSystemWriter
+from ...checkpoint.integrity import ChecksummedFileSystemWriter, verification_scope
 from ...checkpoint.safe_reader import SafeFileSystemReader
 from ...checkpoint.state_dict import load_optimizer_state_dict, model_state_dict, optimizer_state_dict
 from .dcp_checkpoint import checkpoint_targets
 
-__all__ = ["FORMAT", "is_fsdp_dtensor_keys", "load_fsdp_dtensor_checkpoint", "load_fsdp_dtensor_training_state",
-           "save_fsdp_dtensor_checkpoint"]
+__all__ = ["FORMAT", "fsdp_dtensor_state_dict", "is_fsdp_dtensor_keys", "load_fsdp_dtensor_checkpoint",
+           "load_fsdp_dtensor_training_state", "save_fsdp_dtensor_checkpoint"]
 
 FORMAT = "fsdp_dtensor"
 _MODEL, _STATE, _GROUP_META = "model.", "optimizer.state.", "optimizer.param_to_group_meta."
@@ -201,14 +201,22 @@ def save_fsdp_dtensor_checkpoint(path: "str | os.PathLike", wrapper, optimizer=N
     to store (pickled, as Megatron-LM does; default: the model's sizes, which its load checks).
     ``extra``: more top-level entries as Megatron-LM's ``save_checkpoint`` writes them
     (``opt_param_scheduler``, ``num_floating_point_operations_so_far``, ``rng_state``; the launcher's
-    ``--save``)."""
+    ``--save``). Asynchronously, through Megatron-LM's queue: async_request.py."""
+    state = fsdp_dtensor_state_dict(f"save_fsdp_dtensor_checkpoint({os.fspath(path)!r})", wrapper, optimizer,
+                                    iteration, args, extra)
+    dcp.save(state, storage_writer=ChecksummedFileSystemWriter(os.fspath(path)))
+
+
+def fsdp_dtensor_state_dict(what: str, wrapper, optimizer=None, iteration: Optional[int] = None,
+                            args: Optional[argparse.Namespace] = None, extra: Optional[dict] = None) -> OrderedDict:
+    """What ``save_fsdp_dtensor_checkpoint`` writes (its arguments; ``what`` names the caller in a
+    refusal, raised on every rank): values are views of the live weights and optimizer state."""
     module, torch_optimizer = checkpoint_targets(wrapper, optimizer)
     # the model's keys: Megatron-FSDP's state_dict (Float16Module's state_dict adds no prefix); the
     # optimizer's: parameter names in the model chunk (Megatron-FSDP's adapter, Megatron-FSDP, Float16Module)
     model_prefix, state_prefix = "module.", "module.module." + getattr(wrapper, "_ckpt_prefix", "")
     error = _check_layout(wrapper, {}, [])
-    raise_on_every_rank(None, error, f"save_fsdp_dtensor_checkpoint({os.fspath(path)!r})",
-                        "save_fsdp_dtensor_checkpoint: checking the layout")
+    raise_on_every_rank(None, error, what, "save_fsdp_dtensor_checkpoint: checking the layout")
     out = OrderedDict((f"{_MODEL}{model_prefix}{_bare(n)}", v) for n, v in model_state_dict(module).items()
                       if not n.endswith("._extra_state"))
     if torch_optimizer is not None:
@@ -224,7 +232,7 @@ def save_fsdp_dtensor_checkpoint(path: "str | os.PathLike", wrapper, optimizer=N
     if clash:
         raise ValueError(f"save_fsdp_dtensor_checkpoint: extra entries {clash} would replace the checkpoint's own.")
     out.update(extra or {})
-    dcp.save(out, storage_writer=ChecksummedFileSystemWriter(os.fspath(path)))
+    return out
 
 
 def load_fsdp_dtensor_training_state(path: "str | os.PathLike", wrapper, optimizer=None,
@@ -234,13 +242,14 @@ def load_fsdp_dtensor_training_state(path: "str | os.PathLike", wrapper, optimiz
     state; returns ``(iteration, num_floating_point_operations_so_far)``. The pickled ``args``, RNG
     and rerun states are not read (they need unpickling outside torch's weights-only allow-list)."""
     path = os.fspath(path)
-    load_fsdp_dtensor_checkpoint(path, wrapper, optimizer)
-    reader = SafeFileSystemReader(path)
-    keys = reader.read_metadata().state_dict_metadata
-    wanted = [k for k in keys if k in ("iteration", "num_floating_point_operations_so_far")
-              or (opt_param_scheduler is not None and k.startswith("opt_param_scheduler."))]
-    values = OrderedDict((k, None) for k in wanted)
-    dcp.load(values, storage_reader=reader)
+    with verification_scope():       # the second reader checks no file the first one checked
+        load_fsdp_dtensor_checkpoint(path, wrapper, optimizer)
+        reader = SafeFileSystemReader(path)
+        keys = reader.read_metadata().state_dict_metadata
+        wanted = [k for k in keys if k in ("iteration", "num_floating_point_operations_so_far")
+                  or (opt_param_scheduler is not None and k.startswith("opt_param_scheduler."))]
+        values = OrderedDict((k, None) for k in wanted)
+        dcp.load(values, storage_reader=reader)
     if opt_param_scheduler is not None and any(k.startswith("opt_param_scheduler.") for k in values):
         opt_param_scheduler.load_state_dict({k[len("opt_param_scheduler."):]: v for k, v in values.items()
                                              if k.startswith("opt_param_scheduler.")})

@@ -261,7 +261,7 @@ def run_system(argv: list[str], name: str) -> dict:
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode or not lines:
-        return {"system": name, "error": (done.stderr.strip().splitlines() or ["exit %d" % done.returncode])[-1]}
+        return {"system": name, "error": "\n".join((done.stderr.strip().splitlines() or ["exit %d" % done.returncode])[-25:])}
     return json.loads(lines[-1][len("RESULT "):])
 
 
@@ -269,7 +269,7 @@ def table(results: list[dict]) -> str:
     rows = ["| system | median ms | min ms | peak / reserved GiB | loss |", "|---|---:|---:|---:|---:|"]
     for r in results:
         if "error" in r:
-            rows.append(f"| {r['system']} | error: {r['error'][:120]} | | | |")
+            rows.append(f"| {r['system']} | error: {r['error'].splitlines()[-1][:120]} | | | |")
             continue
         memory = f"{r['peak_gib']:.2f} / {r['reserved_gib']:.2f}" if "peak_gib" in r else "-"
         rows.append(f"| {r['system']} | {r['median_ms']:.2f} | {r['min_ms']:.2f} | {memory} | {r['loss']:.4f} |")

@@ -138,3 +138,54 @@ def test_graph_reserves_no_more_than_eager(world):
             runner.close()
         del model, optimizer, step, runner
     assert reserved[1] <= reserved[0], reserved
+
+
+# ----------------------------------------------------------------------------- torchao float8
+FLOAT8_RECIPES = ("tensorwise", "rowwise")
+
+
+def _float8_train(world, strategy: str, recipe: str, graphed: bool) -> list:
+    """The float8 functional test's model (3 blocks, a bf16 head), torchao's ``recipe`` (tensorwise:
+    float8 all-gather and the scale precomputed inside the step), 12 steps; the losses."""
+    torchao_float8 = pytest.importorskip("torchao.float8", reason="torchao is not installed")
+    from tests.unit.test_float8 import WIDTH, Block, Net
+
+    torch.manual_seed(0)
+    model = Net().to(world.device)
+    if recipe == "tensorwise":
+        config = torchao_float8.Float8LinearConfig(enable_fsdp_float8_all_gather=True)
+    else:
+        config = torchao_float8.Float8LinearConfig.from_recipe_name(recipe)
+    torchao_float8.convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: fqn != "head")
+    model = fully_shard(model, sharding_strategy=strategy, unit_modules=[Block],
+                        mixed_precision=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, capturable=True)
+
+    def step(x, y):
+        loss = (model(x).float() - y).square().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+        if recipe == "tensorwise":
+            torchao_float8.precompute_float8_dynamic_scale_for_fsdp(model)
+        return loss.detach()
+    runner = make_graphed_step(step, model, optimizer, warmup_steps=WARMUP) if graphed else step
+    g = torch.Generator(device=world.device).manual_seed(world.rank)
+    x = torch.randn(64, WIDTH, device=world.device, generator=g).bfloat16()
+    y = torch.randn(64, 1, device=world.device, generator=g)
+    losses = [float(runner(x, y)) for _ in range(12)]
+    if graphed:
+        assert runner.captures == 1
+        runner.close()
+    return losses
+
+
+@pytest.mark.parametrize("recipe", FLOAT8_RECIPES)
+@pytest.mark.parametrize("strategy", ["no_shard", "optim_grads_params"])
+def test_float8_replayed_steps_equal_eager_steps_bitwise(world, strategy, recipe):
+    if not world.is_cuda or torch.cuda.get_device_capability(world.device) < (8, 9):
+        pytest.skip("real float8 matmuls need a GPU of compute capability 8.9 or above")
+    eager = _float8_train(world, strategy, recipe, graphed=False)
+    graphed = _float8_train(world, strategy, recipe, graphed=True)
+    assert graphed == eager, [a - b for a, b in zip(graphed, eager)]
+    assert eager[-1] < 0.7 * eager[0], eager

@@ -308,8 +308,10 @@ def build_system(ctx: Ctx, system: System, notes: List[str]):
                             reshard_after_forward=a.reshard_after_forward, **ours_mixed_precision_kwargs())
         notes.append(f"reshard_after_forward={a.reshard_after_forward}")
     fused = a.adam == "fused" or (a.adam == "auto" and ctx.is_cuda)
-    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, fused=fused or None)
-    notes.append(f"AdamW(lr={a.lr:g}{', fused=True' if fused else ''})")
+    foreach = {"foreach": True, "single": False}.get(a.adam)
+    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, fused=fused or None, foreach=foreach)
+    kernel = ", fused=True" if fused else ("" if foreach is None else f", foreach={foreach}")
+    notes.append(f"AdamW(lr={a.lr:g}{kernel})")
     after_step = None
     if system.fp8:
         from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
@@ -349,6 +351,30 @@ def graph_break_reasons() -> Dict[str, int]:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return f"{type(exc).__name__}: {text.splitlines()[0][:300] if text else ''}".rstrip(": ")
+
+
+def reserved_by_stream(device: torch.device) -> Dict[str, Dict[str, float]]:
+    """The allocator's cached segments after training, per stream pool: reserved and allocated GiB.
+    Each stream has a pool of its own whose free blocks the others cannot use (issue 63: where
+    reserved-but-free memory sits). ``gradient pool``: ours' gradient buffers
+    (group/grad_buffer.py); ``default``: the compute stream; others by their stream handle."""
+    from megatron_fsdp_v2.group.grad_buffer import gradient_pool_stream
+
+    names = {0: "default"}
+    pool = gradient_pool_stream(device)
+    if pool is not None:
+        names[pool.cuda_stream] = "gradient pool"
+    out: Dict[str, Dict[str, float]] = {}
+    for segment in torch.cuda.memory_snapshot():
+        if segment.get("device") != device.index:
+            continue
+        name = names.get(segment["stream"], f"stream {segment['stream']:#x}")
+        if segment.get("segment_pool_id", (0, 0)) != (0, 0):
+            name += " (private pool)"
+        entry = out.setdefault(name, {"reserved_gib": 0.0, "allocated_gib": 0.0})
+        entry["reserved_gib"] += segment["total_size"] / GIB
+        entry["allocated_gib"] += segment["allocated_size"] / GIB
+    return out
 
 
 def run_system(ctx: Ctx, system: System) -> Dict[str, Any]:
@@ -404,6 +430,7 @@ def run_system(ctx: Ctx, system: System) -> Dict[str, Any]:
         if ctx.is_cuda:
             res["peak_gib"] = torch.cuda.max_memory_allocated(ctx.device) / GIB
             res["reserved_gib"] = torch.cuda.max_memory_reserved(ctx.device) / GIB
+            res["reserved_by_stream"] = reserved_by_stream(ctx.device)
         timed = times[a.warmup:]
         res["step_s_all"] = times
         res["step_s"] = statistics.median(timed)
@@ -578,6 +605,11 @@ def results_markdown(meta: Dict[str, Any], results: List[Dict[str, Any]]) -> str
         if r.get("graph_break_reasons"):
             reasons = "; ".join(f"{v}x {k}" for k, v in sorted(r["graph_break_reasons"].items(), key=lambda kv: -kv[1]))
             notes.append(f"- {r['name']} graph breaks: {reasons}")
+    for r in results:
+        if r.get("reserved_by_stream"):
+            pools = "; ".join(f"{name} {v['reserved_gib']:.2f} reserved / {v['allocated_gib']:.2f} allocated"
+                              for name, v in sorted(r["reserved_by_stream"].items()))
+            notes.append(f"- {r['name']} cached segments after training, by stream pool (GiB): {pools}")
     notes += [f"- {n}" for n in meta.get("notes", [])]
     if notes:
         out += ["", "Notes:", ""] + notes
@@ -637,8 +669,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help=f"untimed first steps, >= 1; collectives are counted on the last of them "
                    f"(default {DEFAULTS['warmup']})")
     g.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate (default 3e-4)")
-    g.add_argument("--adam", choices=("auto", "fused", "foreach"), default="auto",
-                   help="AdamW kernel (default auto: fused on CUDA, foreach on CPU)")
+    g.add_argument("--adam", choices=("auto", "fused", "foreach", "single"), default="auto",
+                   help="AdamW kernel (default auto: fused on CUDA, foreach on CPU; single: foreach=False)")
     g.add_argument("--no-compile", dest="compile", action="store_false",
                    help="do not layer.compile() the decoder layers")
     g.add_argument("--emulate", action=argparse.BooleanOptionalAction, default=None,

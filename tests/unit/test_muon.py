@@ -381,6 +381,13 @@ class WideNet(nn.Module):
 
 
 STEPS = 3
+#: How far last-bit gradient differences can move the weights in STEPS steps: up to NS_FLIP_SPREAD
+#: (one flipped bfloat16 input element, test_newton_schulz_spreads_one_flipped_bfloat16_element_over_the_matrix)
+#: times lr per step, and a few such flips per step (momentum carries them on). Which elements cross a
+#: rounding boundary depends on the CPU's matmul kernels, so the distances themselves differ between
+#: machines (0.0079 for DDP against one process on one Xeon, under 1e-3 on another); this bound does not.
+NS_FLIP_SPREAD = 0.05
+ROUNDING_SPREAD = 4 * STEPS * HYPER["lr"] * NS_FLIP_SPREAD
 
 
 def _wide_batches(step: int, rank: int, micro_batches: int) -> list:
@@ -453,14 +460,15 @@ def test_muon_on_two_ranks_is_torch_ddp_with_torch_muon(strategy, micro_batches)
     for out in results:
         if strategy == "no_shard" or micro_batches == 1:
             assert _largest_difference(out["ours"], out["ddp"]) == 0.0
-        else:
-            assert 0.0 < _largest_difference(out["ours"], out["ddp"]) <= 1e-6
+        else:       # the first step's gradients a rounding apart; the weights as far as Newton-Schulz spreads it
+            assert 0.0 < _largest_difference(out["grads"]["ours"], out["grads"]["ddp"]) <= 1e-6
+            assert 0.0 < _largest_difference(out["ours"], out["ddp"]) <= ROUNDING_SPREAD
     ours, ddp, one = results[0]["ours"], results[0]["ddp"], results[0]["one_process"]
     grads = results[0]["grads"]
     differing = (grads["ddp"]["blocks.0.ff.weight"] != grads["one_process"]["blocks.0.ff.weight"]).sum().item()
     assert differing > 100 and _largest_difference(grads["ddp"], grads["one_process"]) < 1e-6
-    assert _largest_difference(ddp, one) < 1e-3
-    assert _largest_difference(ours, one) == pytest.approx(_largest_difference(ddp, one), rel=0.01, abs=1e-6)
+    assert 0.0 < _largest_difference(ddp, one) <= ROUNDING_SPREAD
+    assert 0.0 < _largest_difference(ours, one) <= ROUNDING_SPREAD
 
 
 def test_newton_schulz_spreads_one_flipped_bfloat16_element_over_the_matrix():
@@ -475,5 +483,5 @@ def test_newton_schulz_spreads_one_flipped_bfloat16_element_over_the_matrix():
     flipped[0, 0] = torch.nextafter(flipped[0, 0], torch.tensor(float("inf"), dtype=torch.bfloat16))
     a, b = (zeropower_via_newtonschulz(m, DEFAULT_NS_COEFFICIENTS, 5, 1e-7).float() for m in (matrix, flipped))
     assert (a != b).sum().item() > 64 * 64 // 2
-    assert 1e-3 < (a - b).abs().max().item() < 0.05
+    assert 1e-3 < (a - b).abs().max().item() < NS_FLIP_SPREAD
 

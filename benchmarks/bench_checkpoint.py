@@ -21,6 +21,10 @@ checkpoint (24 GB) is on the disk at a time:
 4. a load of that checkpoint into the same model (ours: ``load_checkpoint``; FSDP2: ``dcp.load``
    then ``set_state_dict``), from the page cache as it was just written.
 
+GPU memory: the staging an asynchronous save adds while it blocks (``max_memory_allocated`` and
+``max_memory_reserved`` above what was allocated / reserved when it began), and the peak
+allocated / reserved from the start of the last asynchronous save to the end of the load.
+
 Then a resharding load per system: the dp-1 checkpoint of step 3 loaded by rank 0 of torch's fake
 8-way group (``init_process_group("fake")``: collectives are no-ops, so a rank reads its eighth of
 the state as it would at dp 8), ours as ``--reshard-strategy`` (ZeRO-1 by default; saved as
@@ -120,6 +124,11 @@ def step(model, opt, tokens) -> None:
     opt.zero_grad(set_to_none=True)
 
 
+def memory(device, counter: str) -> Optional[float]:
+    """``torch.cuda.<counter>`` in GiB (``max_memory_allocated``, ``memory_reserved``, ...); None on CPU."""
+    return getattr(torch.cuda, counter)(device) / GIB if device.type == "cuda" else None
+
+
 def timed(fn: Callable, device) -> float:
     sync(device)
     start = time.perf_counter()
@@ -188,20 +197,21 @@ def async_round(api, path: str, device, model, opt, tokens, max_steps: int) -> D
     that started while it wrote."""
     done: List[float] = []
     sync(device)
-    before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    before = memory(device, "memory_allocated"), memory(device, "memory_reserved")
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     start = time.perf_counter()
     future = api.async_save(path)
     blocked = time.perf_counter() - start
     future.add_done_callback(lambda _: done.append(time.perf_counter()))
-    extra = (torch.cuda.max_memory_allocated(device) - before) / GIB if device.type == "cuda" else None
+    extra = [None if b is None else memory(device, name) - b
+             for b, name in zip(before, ("max_memory_allocated", "max_memory_reserved"))]
     during = []
     while not future.done() and len(during) < max_steps:
         during.append(timed(lambda: step(model, opt, tokens), device))
     future.result()
     return dict(blocking_s=blocked, complete_s=(done[0] if done else time.perf_counter()) - start,
-                staging_gpu_gib=extra, steps_during_write_s=during,
+                staging_gpu_gib=extra[0], staging_gpu_reserved_gib=extra[1], steps_during_write_s=during,
                 step_during_write_s=statistics.median(during) if during else None)
 
 
@@ -233,8 +243,9 @@ def run_system(args, kind: str) -> Dict[str, Any]:
     else:
         out["sync_save_s"] = timed(lambda: api.save(f"{work}_sync"), device)
         out["load_s"] = timed(lambda: api.load(f"{work}_sync"), device)
-    if device.type == "cuda":
-        out["peak_gib"] = torch.cuda.max_memory_allocated(device) / GIB
+    # from the last asynchronous save to the end of the load (the staging a checkpoint adds); None on CPU
+    out["peak_gib"] = memory(device, "max_memory_allocated")
+    out["reserved_gib"] = memory(device, "max_memory_reserved")
     return out
 
 
@@ -320,12 +331,13 @@ def markdown(meta: Dict[str, Any], results: Dict[str, Dict[str, Any]]) -> str:
              f"{meta['device_name']}, torch {meta['torch']}, {meta['num_params'] / 1e6:.1f} M parameters, "
              f"checkpoints in `{meta['dir']}`, {meta['elapsed_s']:.0f} s in all.", "",
              "| system | state GiB | step s | async blocking s (1st / 2nd) | async complete s (1st / 2nd) | "
-             "steps during write: n, median s | staging: host GiB, GPU GiB | sync save s | load s |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "steps during write: n, median s | staging: host GiB, GPU allocated / reserved GiB | sync save s | "
+             "load s | peak allocated / reserved GiB |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for kind in ("ours", "fsdp2"):
         r = results.get(kind)
         if r is None or "error" in r or "step_s" not in r:
-            lines.append(f"| {kind} | {(r or {}).get('error') or 'not run'} | | | | | | | |")
+            lines.append(f"| {kind} | {(r or {}).get('error') or 'not run'} | | | | | | | | |")
             continue
         rounds = [r.get(f"async_{n}") for n in ("first", "second") if r.get(f"async_{n}")]
         last = rounds[-1] if rounds else {}
@@ -333,8 +345,10 @@ def markdown(meta: Dict[str, Any], results: Dict[str, Dict[str, Any]]) -> str:
                      f"{' / '.join(_s(x['blocking_s']) for x in rounds)} | "
                      f"{' / '.join(_s(x['complete_s']) for x in rounds)} | "
                      f"{len(last.get('steps_during_write_s') or [])}, {_s(last.get('step_during_write_s'))} | "
-                     f"{_s(r.get('staging_host_gib'))}, {_s(last.get('staging_gpu_gib'))} | "
-                     f"{_s(r.get('sync_save_s'))} | {_s(r.get('load_s'))} |")
+                     f"{_s(r.get('staging_host_gib'))}, {_s(last.get('staging_gpu_gib'))} / "
+                     f"{_s(last.get('staging_gpu_reserved_gib'))} | {_s(r.get('sync_save_s'))} | "
+                     f"{_s(r.get('load_s'))} | "
+                     f"{_s(r.get('peak_gib'))} / {_s(r.get('reserved_gib'))} |")
     lines += ["", "| resharding load | saved | loaded | load s | / FSDP2's |", "|---|---|---|---:|---:|"]
     theirs = results.get("reshard-fsdp2", {}).get("load_s")
     for kind in ("reshard-ours", "reshard-fsdp2"):

@@ -13,8 +13,9 @@ between systems are measured on the same GPU, allocator and library versions::
 
 A step is forward + backward of one micro-batch, the optimizer step and ``zero_grad``. Reported
 per system: median step time over ``--steps`` timed steps (after ``--warmup`` untimed ones),
-tokens/s, peak ``torch.cuda.max_memory_allocated`` during training, and the memory a rank keeps
-between steps (after ``optimizer.step()``, and after ``zero_grad``) next to the ZeRO formula.
+tokens/s, peak ``torch.cuda.max_memory_allocated`` and ``max_memory_reserved`` during training,
+and the memory a rank keeps between steps (after ``optimizer.step()``, and after ``zero_grad``)
+next to the ZeRO formula.
 Results go to benchmarks/results/<today>/ by default (--out / --json); that directory's
 README.md should give the command of each file. Numbers: docs/benchmarks.md; what each column
 means: docs/benchmarks_history.md, "What is measured".
@@ -112,6 +113,7 @@ def run_system(ctx: Ctx, system: System) -> Dict[str, Any]:
 
     cleanup(ctx)
     baseline = allocated(ctx)
+    reserved_baseline = torch.cuda.memory_reserved(ctx.device) if ctx.is_cuda else None
     built: Optional[Built] = None
     try:
         if system.offload is not None:
@@ -123,6 +125,7 @@ def run_system(ctx: Ctx, system: System) -> Dict[str, Any]:
         res["notes"].extend(built.notes)
         if ctx.is_cuda:
             res["build_peak_gib"] = (torch.cuda.max_memory_allocated(ctx.device) - baseline) / GIB
+            res["build_reserved_gib"] = (torch.cuda.max_memory_reserved(ctx.device) - reserved_baseline) / GIB
             torch.cuda.reset_peak_memory_stats(ctx.device)
 
         losses = []
@@ -171,6 +174,7 @@ def run_system(ctx: Ctx, system: System) -> Dict[str, Any]:
         if ctx.is_cuda:
             res["peak_gib"] = torch.cuda.max_memory_allocated(ctx.device) / GIB
             res["peak_over_baseline_gib"] = (torch.cuda.max_memory_allocated(ctx.device) - baseline) / GIB
+            res["reserved_gib"] = torch.cuda.max_memory_reserved(ctx.device) / GIB
         if built.comm_stats is not None and a.steps:
             stats = built.comm_stats()
             res["comm_bytes_per_step"] = stats["total_bytes"] / a.steps
@@ -253,8 +257,9 @@ def results_markdown(meta: Dict[str, Any], results: List[Dict[str, Any]]) -> str
         f"- step = forward + backward (one micro-batch) + optimizer step + zero_grad; median of {meta['steps']} "
         f"steps after {meta['warmup']} warm-up steps; tokens/s = {meta['micro_batch']}x{meta['seq']}"
         f"{'x' + str(meta['real_world']) if meta['real_world'] > 1 else ''} / median step",
-        "- peak = torch.cuda.max_memory_allocated over the warm-up and timed steps (absolute: includes the "
-        "token batch and Megatron's shared attention-score buffer); state = memory_allocated after "
+        "- peak allocated / reserved = torch.cuda.max_memory_allocated / max_memory_reserved over the warm-up "
+        "and timed steps (absolute: includes the token batch and Megatron's shared attention-score buffer); "
+        "state = memory_allocated after "
         "optimizer.step() minus the pre-build baseline "
         "(Megatron's shared attention buffer excluded), on the last warm-up step; "
         "'after zero_grad' = the same after zero_grad(set_to_none=True)",
@@ -263,9 +268,10 @@ def results_markdown(meta: Dict[str, Any], results: List[Dict[str, Any]]) -> str
         "state; floor/FSDP2: parameter and gradient storages + optimizer state); dev % = state vs the "
         "ZeRO formula (on CPU, where nothing is measured: accounted vs formula)",
         "",
-        "| system | status | step ms | tokens/s | step / floor | peak GiB | state GiB | after zero_grad GiB | "
-        "accounted GiB | ZeRO formula | expected GiB | dev % | ours persistent GiB | comm GB/step | build s |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|",
+        "| system | status | step ms | tokens/s | step / floor | peak allocated GiB | peak reserved GiB | state GiB | "
+        "after zero_grad GiB | accounted GiB | ZeRO formula | expected GiB | dev % | ours persistent GiB | "
+        "comm GB/step | build s |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
     g = ".2f" if meta["num_params"] >= 1e8 else ".4f"   # GiB digits
     for r in results:
@@ -276,7 +282,8 @@ def results_markdown(meta: Dict[str, Any], results: List[Dict[str, Any]]) -> str
         comm = r.get("comm_bytes_per_step")
         out.append(
             f"| {r['name']} | {status} | {_fmt(r.get('step_ms'), '.1f')} | {_fmt(r.get('tokens_per_s'), ',.0f')} | "
-            f"{ratio} | {_fmt(r.get('peak_gib'), g)} | {_fmt(r.get('state_gib'), g)} | "
+            f"{ratio} | {_fmt(r.get('peak_gib'), g)} | {_fmt(r.get('reserved_gib'), g)} | "
+            f"{_fmt(r.get('state_gib'), g)} | "
             f"{_fmt(r.get('state_after_zero_grad_gib'), g)} | {_fmt(r.get('accounted_state_gib'), g)} | "
             f"{r['expected_formula']} | "
             f"{_fmt(r.get('expected_state_gib'), g)} | {_fmt(r.get('deviation_pct'), '+.1f')} | "
@@ -522,7 +529,8 @@ def main(argv=None) -> int:
                 r = run_system(ctx, system)
             results.append(r)
             ctx.log(f"    {r['status']}"
-                    + (f"  step {r['step_ms']:.1f} ms  peak {_fmt(r.get('peak_gib'))} GiB  "
+                    + (f"  step {r['step_ms']:.1f} ms  peak {_fmt(r.get('peak_gib'))} / reserved "
+                       f"{_fmt(r.get('reserved_gib'))} GiB  "
                        f"state {_fmt(r.get('state_gib'))} GiB  loss {_fmt(r.get('loss_last'), '.3f')}  "
                        f"[{time.perf_counter() - T_START:.0f} s]"
                        if r.get("step_ms") else f"  {r.get('error')}"))

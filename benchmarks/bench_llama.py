@@ -396,6 +396,7 @@ def run_system(ctx: Ctx, system: System) -> Dict[str, Any]:
         res["build_s"] = time.perf_counter() - t0
         if ctx.is_cuda:
             res["build_peak_gib"] = torch.cuda.max_memory_allocated(ctx.device) / GIB
+            res["build_reserved_gib"] = torch.cuda.max_memory_reserved(ctx.device) / GIB
             torch.cuda.reset_peak_memory_stats(ctx.device)
         has_comm_stats = callable(getattr(model, "comm_stats", None))
         losses, times, breaks = [], [], []

@@ -53,7 +53,9 @@ def compact_table(plan) -> str:
     legend = (f"per rank, one step of {plan.micro_batches} micro-batch(es), {plan.optimizer}; kept: between "
               "steps; peak: kept + our temporaries; moved/step: sent (ring algorithms) + host-link copies; "
               + ("peak +act: with the given activations" if with_activations else
-                 "activations not included") + "; --wide or --json: every column")
+                 "activations not included") + "; allocated bytes, not reserved, and no optimizer-step "
+              "temporaries (torch's default foreach Adam adds --wide's foreach step; docs/planning.md); --wide or "
+              "--json: every column")
     lines += textwrap.wrap(legend, COMPACT_WIDTH)
     if plan.budget_bytes is not None:
         lines += textwrap.wrap(f"budget {format_bytes(plan.budget_bytes)}: chosen {plan.chosen.name}"

@@ -14,7 +14,7 @@ from __future__ import annotations
 from ..strategy import ShardingStrategy
 from .groups import PlannedGroup
 
-__all__ = ["HOST_KINDS", "OPTIMIZER_STATE_COPIES", "PERSISTENT_KINDS", "rank_persistent_bytes"]
+__all__ = ["HOST_KINDS", "OPTIMIZER_STATE_COPIES", "PERSISTENT_KINDS", "rank_persistent_bytes", "rank_piece_numels"]
 
 #: Optimizer-state tensors per parameter element, in the main-weight dtype.
 OPTIMIZER_STATE_COPIES = {"adam": 2, "adamw": 2, "sgd": 0, "sgd_momentum": 1}
@@ -23,7 +23,7 @@ PERSISTENT_KINDS = ("model_weights", "main_weights", "grads", "optimizer_state")
 HOST_KINDS = ("host_main_weights", "host_grads", "host_grad_staging", "host_optimizer_state")
 
 
-def _rank_piece_numels(group: PlannedGroup, strategy: ShardingStrategy, rank: int) -> int:
+def rank_piece_numels(group: PlannedGroup, strategy: ShardingStrategy, rank: int) -> int:
     """Elements of this rank's main-weight pieces (what the optimizer holds state for)."""
     layout = group.layout
     if not strategy.optim_sharded:
@@ -37,7 +37,7 @@ def _add_group(out: dict, group: PlannedGroup, strategy: ShardingStrategy, rank:
     ``offload_main``: where each buffer lives)."""
     layout, dt = group.layout, group.dtypes
     main_numel = layout.shard_numel if strategy.optim_sharded else layout.total_numel
-    pieces = _rank_piece_numels(group, strategy, rank)
+    pieces = rank_piece_numels(group, strategy, rank)
     main_bytes, main_padding = main_numel * dt.main.itemsize, (main_numel - pieces) * dt.main.itemsize
     if offloaded:
         out["host_main_weights"] += main_bytes

@@ -16,7 +16,10 @@ gradients (``P0``; not with ``persistent_grads``) and its activations meet three
   backward, all activations still saved), so A is added here. ZeRO-2/3's per-parameter
   gradients held until their group reduces are not added: autograd makes them in the unwrapped
   run too. With several micro-batches the later ones find every gradient already there;
-* ``step``: every kept byte, no activations, plus offload's upload copies (plan/offload.py).
+* ``step``: every kept byte, no activations, plus offload's upload copies (plan/offload.py): the
+  step of a kernel that updates in place (fused Adam). torch's default foreach kernel allocates
+  ``foreach_step`` more, not added here (plan/optimizer_step.py, [Note: the optimizer step's
+  temporaries]).
 
 An offloaded DDP/ZeRO-1 group accumulates on the device and lands its gradients on the host at
 the end of backward, so its device buffer is a backward temporary: in ``last_unit_backward``

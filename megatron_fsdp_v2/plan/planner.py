@@ -21,6 +21,7 @@ from .auto import choose
 from .groups import planned_units
 from .memory import OPTIMIZER_STATE_COPIES, rank_persistent_bytes
 from .offload import backward_upload_transient, check_offload, host_transfers, offloaded_groups, upload_transients
+from .optimizer_step import foreach_step_bytes
 from .phases import check_activation_bytes, step_phases
 from .report import Plan, StrategyPlan
 from ..wrap.options import WrapOptions
@@ -103,8 +104,9 @@ def _candidate(units: list, strategy: ShardingStrategy, shape, world_size: int, 
     phases = step_phases(units, strategy, inner, max(ranks, key=lambda r: r["total"]), k, job.persistent_grads,
                          upload_transients(groups, offloaded, strategy), accumulation,
                          backward_upload_transient(groups, offloaded, strategy, root_groups, job.uploads_in_backward))
+    foreach_step = tuple(foreach_step_bytes(groups, strategy, r, job.optimizer, offloaded) for r in range(inner))
     return StrategyPlan(strategy.name, (outer, inner), ranks, temporaries, comm, wire, fraction,
-                        host_transfers(groups, offloaded, strategy, k), phases, job.activation_bytes)
+                        host_transfers(groups, offloaded, strategy, k), phases, job.activation_bytes, foreach_step)
 
 
 def plan_candidates(module: nn.Module, strategies, world_size: int, hybrid_shape, options: WrapOptions, *,

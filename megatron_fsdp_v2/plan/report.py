@@ -41,6 +41,13 @@ class StrategyPlan:
         phases: our device bytes at ``forward_end``, ``last_unit_backward`` and ``step``
             (plan/phases.py, [Note: the peak with activations]).
         activation_bytes: the activation peak given to ``plan`` (None: not given).
+        foreach_step: per shard rank, the device bytes torch's default (foreach) Adam / AdamW
+            ``optimizer.step()`` allocates beyond the kept bytes (plan/optimizer_step.py, [Note: the
+            optimizer step's temporaries]); in neither ``phases["step"]`` nor the peaks, which are
+            a fused (in-place) step's.
+
+    Every number is allocated bytes (tensor sizes), not reserved memory: docs/planning.md,
+    "Allocated, not reserved", says what the caching allocator adds.
     """
 
     strategy: str
@@ -53,6 +60,7 @@ class StrategyPlan:
     transfers: dict = field(default_factory=dict)
     phases: dict = field(default_factory=dict)
     activation_bytes: Optional[int] = None
+    foreach_step: tuple = ()
 
     @property
     def persistent_bytes(self) -> int:
@@ -80,6 +88,11 @@ class StrategyPlan:
         return self.peak_bytes if with_activations is None else with_activations
 
     @property
+    def foreach_step_bytes(self) -> int:
+        """The largest rank's ``foreach_step``."""
+        return max(self.foreach_step, default=0)
+
+    @property
     def host_bytes(self) -> int:
         """The largest rank's pinned host bytes (offload)."""
         return max(rank["host_total"] for rank in self.ranks)
@@ -105,7 +118,7 @@ class StrategyPlan:
                                ("model_weights", "main_weights", "grads", "optimizer_state", "padding", "total")]
         cells += [format_bytes(self.temporaries[k]) for k in
                   ("gathered_weights", "reduce_inputs", "held_grads", "trace_pool", "peak")]
-        cells.append(format_bytes(self.peak_bytes))
+        cells += [format_bytes(self.peak_bytes), format_bytes(self.foreach_step_bytes)]
         for name in COLLECTIVES[:3]:
             cells.append(f"{self.comm[name]['count']} / {format_bytes(self.comm[name]['bytes'])}")
         outer = self.comm.get("across_replicas")
@@ -123,13 +136,20 @@ class StrategyPlan:
                 "offload_fraction": self.offload_fraction, "ranks": [dict(r) for r in self.ranks],
                 "temporaries": dict(self.temporaries), "comm": self.comm, "wire_bytes": self.wire_bytes,
                 "transfers": self.transfers, "phases": dict(self.phases),
-                "activation_bytes": self.activation_bytes, "persistent_bytes": self.persistent_bytes,
+                "activation_bytes": self.activation_bytes, "foreach_step": list(self.foreach_step),
+                "foreach_step_bytes": self.foreach_step_bytes, "persistent_bytes": self.persistent_bytes,
                 "peak_bytes": self.peak_bytes, "peak_with_activations": self.peak_with_activations,
                 "host_bytes": self.host_bytes, "moved_bytes": self.moved_bytes}
 
 
+#: What the table's bytes leave out of reserved memory (docs/planning.md, "Allocated, not reserved").
+RESERVED_LEGEND = ("bytes allocated (tensor sizes), not reserved: not in them are the caching allocator's rounding "
+                   "and cached free blocks, the gradient pool holding grads' bytes after zero_grad frees them, "
+                   "NCCL's buffers, the CUDA context, CUDA graphs' pools; foreach step: what torch's default "
+                   "(foreach) Adam step adds to the kept bytes, not in peak (fused: nothing); docs/planning.md")
+
 HEADER = ["strategy", "weights", "main", "grads", "optimizer", "(padding)", "kept", "gathered", "reduce in",
-          "held grads", "trace pool", "temp peak", "peak", "all-gather", "reduce-scatter", "all-reduce",
+          "held grads", "trace pool", "temp peak", "peak", "foreach step", "all-gather", "reduce-scatter", "all-reduce",
           "outer all-reduce", "sent/rank", "host kept", "host link"]
 
 
@@ -172,6 +192,7 @@ class Plan:
                      "collectives: calls / bytes covered; sent/rank: ring algorithms; host link: offload's "
                      "copies per step; " + ("peak +act: with the given activations"
                                             if with_activations else "activations not included"))
+        lines.append(RESERVED_LEGEND)
         if self.budget_bytes is not None:
             lines.append(f"budget {format_bytes(self.budget_bytes)}: chosen {self.chosen.name}"
                          + (f", runner-up {self.runner_up.name}" if self.runner_up else ""))

@@ -29,7 +29,13 @@ def test_the_tiny_run_measures_every_phase_of_both_systems(tmp_path):
         assert r["skipped"] == [] and r["step_s"] > 0 and r["sync_save_s"] > 0 and r["load_s"] > 0, r
         for name in rounds:
             assert 0 < r[name]["blocking_s"] <= r[name]["complete_s"], r[name]
+            assert r[name]["staging_gpu_gib"] is None and r[name]["staging_gpu_reserved_gib"] is None  # CPU
+        assert r["peak_gib"] is None and r["reserved_gib"] is None          # no CUDA counters on CPU
     assert results["ours"]["staging_host_gib"] == pytest.approx(results["ours"]["state_gib"], rel=0.01)
     assert all(results[k]["load_s"] > 0 for k in ("reshard-ours", "reshard-fsdp2"))
-    assert "| ours async blocking / ours sync save <= 0.1 |" in (tmp_path / "results.md").read_text()
+    table = (tmp_path / "results.md").read_text()
+    assert "| ours async blocking / ours sync save <= 0.1 |" in table
+    assert "GPU allocated / reserved GiB |" in table and "| peak allocated / reserved GiB |" in table
+    ours_row = next(line for line in table.splitlines() if line.startswith("| ours |"))
+    assert ours_row.endswith("| - / - |"), ours_row
     assert not (tmp_path / "ckpt").exists()         # every checkpoint deleted

@@ -73,3 +73,13 @@ def test_release_after_gather_both_runs_each_fraction_both_ways_side_by_side(rel
     assert [s.name for s in ours] == names
     assert [s.release_after_gather for s in ours] == [n.endswith("-release") for n in names]
     assert [bo._fraction_of(n) for n in names] == [float(n.split("offload")[1].split("-")[0]) for n in names]
+
+
+def test_offload_goals_compare_peak_allocated_and_peak_reserved_with_fsdp2_offload():
+    results = [dict(name="fsdp2-cpu_offload", status="ok", step_ms=1000.0, peak_gib=10.0, reserved_gib=14.0),
+               dict(name="ours-offload1", status="ok", step_ms=600.0, peak_gib=9.5, reserved_gib=14.5),
+               dict(name="ours-offload0.5", status="ok", step_ms=500.0)]          # on CPU: no memory counters
+    assert bo.offload_goals(results) == [
+        "offload goals, ours-offload1: step 0.60x FSDP2-offload's (goal <= 0.70: met); peak allocated 9.50 vs "
+        "10.00 GiB (goal <=: met); peak reserved 14.50 vs 14.00 GiB (goal <=: MISSED)",
+        "offload goals, ours-offload0.5: step 0.50x FSDP2-offload's (goal <= 0.70: met)"]

@@ -1,7 +1,7 @@
 """A whole training step replayed as one CUDA graph (``make_graphed_step``) against the same steps
 run eagerly, bit for bit, on the GPU (issue 62, item 4).
 
-Model: Hugging Face ``LlamaForCausalLM`` from a small config (eager attention: deterministic), fp32
+Model: Hugging Face ``LlamaForCausalLM`` from a small config (SDPA's math kernel: deterministic), fp32
 main weights, each decoder layer a unit. A step: 2 micro-batches (the first under ``no_sync()``),
 ``torch.nn.utils.clip_grad_norm_``, ``AdamW(capturable=True)``, ``zero_grad(set_to_none=False)``.
 20 steps; the graphed run's first 3 are its eager warm-up, the 4th is captured and replayed, the
@@ -16,6 +16,7 @@ import contextlib
 
 import pytest
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from megatron_fsdp_v2 import MixedPrecisionPolicy, fully_shard, make_graphed_step
 
@@ -33,7 +34,7 @@ def _llama(world):
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
                          tie_word_embeddings=False, use_cache=False, attention_dropout=0.0)
-    config._attn_implementation = "eager"
+    config._attn_implementation = "sdpa"   # "eager" builds its mask from a host scalar: not capturable
     torch.manual_seed(1234)
     with torch.device(world.device):
         return LlamaForCausalLM(config).float().train()
@@ -54,7 +55,7 @@ def _step_fn(model, optimizer):
         total = torch.zeros((), device=tokens.device)
         for k in range(MICRO):
             sync = model.no_sync() if k < MICRO - 1 else contextlib.nullcontext()
-            with sync:
+            with sync, sdpa_kernel(SDPBackend.MATH):      # deterministic, as eager attention
                 loss = model(input_ids=tokens[k], labels=tokens[k]).loss / MICRO
                 loss.backward()
             total += loss.detach().float()

@@ -10,7 +10,9 @@ the step time: hooks, Python and kernel launches. A replayed graph launches the 
    belong to that stream), each followed by the checks of requirements.py;
 2. capture: once every rank is idle, the cached free blocks of the warm-up are given back (the
    graph's private pool would otherwise sit beside them: a graph reserves no more than the eager
-   step), the step is recorded, and what it counted in ``comm_stats()`` is kept;
+   step), the step is recorded, and what it counted in ``comm_stats()`` is kept; tensors the step
+   binds to Python attributes for the next step to read (torchao's float8 scales) are carried
+   back, inside the capture, to the tensors the graph reads (rebound.py);
 3. replay: inputs are copied into the static tensors the step was captured with, the watch of
    watch.py checks that nothing Python-side changed ([Note: changes a graph cannot see]), the
    graph replays and ``comm_stats()`` is advanced by the captured step's counts.
@@ -33,6 +35,7 @@ import torch
 import torch.nn as nn
 
 from ..runtime.engine import Engine
+from .rebound import carry_rebound, tensor_attributes
 from .requirements import communicators, refuse_device, refuse_uncapturable, refuse_unreplayable_grads
 from .watch import CaptureWatch
 
@@ -145,6 +148,7 @@ class GraphedStep:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()      # the warm-up's cached free blocks back: the graph's pool replaces them
         before = self._comm_snapshot()
+        attributes = tensor_attributes(self.models, self.engines)
         self.watch.record()
         graph = torch.cuda.CUDAGraph()
         stale_stream_override = getattr(torch.autograd.graph, "set_override_stale_capture_stream", None)
@@ -153,6 +157,7 @@ class GraphedStep:
         try:
             with torch.cuda.graph(graph, stream=self._stream, capture_error_mode="thread_local"):
                 self.static_output = self.step_fn(*self.static_inputs)
+                carry_rebound(attributes)      # [Note: attributes a step rebinds]
         finally:
             if stale_stream_override is not None:
                 stale_stream_override(False)

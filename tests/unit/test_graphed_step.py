@@ -163,3 +163,72 @@ def _unused(rank, world):
     with pytest.raises(ValueError) as raised:
         graphed(*_batches(rank)[0])
     return str(raised.value)
+
+
+def _float8_rebinding(rank, world, strategy):
+    """torchao tensorwise float8 (emulated) with its scale precomputed in the step: which tensor
+    attributes one eager step rebinds, and that carrying them back keeps training exact."""
+    float8 = pytest.importorskip("torchao.float8")
+    from megatron_fsdp_v2 import MixedPrecisionPolicy
+    from megatron_fsdp_v2.graphs.rebound import carry_rebound, tensor_attributes
+
+    from .test_float8 import Block as Float8Block
+    from .test_float8 import Net
+
+    def build():
+        torch.manual_seed(0)
+        net = Net()
+        config = float8.Float8LinearConfig(enable_fsdp_float8_all_gather=True, emulate=True)
+        float8.convert_to_float8_training(net, config=config, module_filter_fn=lambda m, fqn: fqn != "head")
+        model = fully_shard(net, sharding_strategy=strategy, unit_modules=[Float8Block],
+                            mixed_precision=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+        return model, torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(rank)).bfloat16()
+
+    def train(carry: bool) -> tuple:
+        model, optimizer = build()
+        rebound, losses = [], []
+        for _ in range(4):
+            before = tensor_attributes([model], [model._fsdp_engine])
+            loss = model(x).float().square().mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=False)
+            float8.precompute_float8_dynamic_scale_for_fsdp(model)
+            rebound.append(sorted({a.name for a in before if getattr(a.holder, a.name) is not a.tensor}))
+            if carry:
+                carry_rebound(before)
+                assert all(getattr(a.holder, a.name) is a.tensor for a in before)
+            losses.append(float(loss))
+        return losses, rebound
+    plain, rebound = train(carry=False)
+    carried, _ = train(carry=True)
+    return plain, carried, rebound
+
+
+@pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads_params"])
+def test_float8_scales_a_step_rebinds_are_carried_back_exactly(strategy):
+    """[Note: attributes a step rebinds]: the scale attributes torchao binds anew each step are
+    found (the compute weight's ``_scale``, bound at each cast or gather; with sharded weights also
+    precompute's ``_precomputed_scale``), and copying the new values into the old tensors trains
+    exactly as binding the new ones does."""
+    for plain, carried, rebound in run_distributed(_float8_rebinding, 2, strategy):
+        assert carried == plain
+        assert plain[-1] < plain[0]
+        expected = ["_scale"] if strategy == "no_shard" else ["_precomputed_scale", "_scale"]
+        assert rebound[1:] == [expected] * 3, rebound
+
+
+def test_a_rebinding_to_another_shape_is_refused_naming_it():
+    from megatron_fsdp_v2.graphs.rebound import TensorAttribute, carry_rebound
+
+    holder = torch.zeros(3)
+    holder._scale = torch.ones(())
+    before = [TensorAttribute(holder, "_scale", holder._scale)]
+    holder._scale = torch.full((), 2.0)
+    assert carry_rebound(before) == 1 and holder._scale is before[0].tensor and float(holder._scale) == 2.0
+    holder._scale = torch.ones(2)
+    with pytest.raises(RuntimeError, match=r"bound Tensor._scale to a new tensor of \(2,\) torch.float32 on cpu, "
+                                           r"where the captured kernels read one of \(\) torch.float32"):
+        carry_rebound(before)

@@ -40,10 +40,11 @@ Reported per system: median step time after ``--warmup`` steps, peak allocated /
 (``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` over the training steps), the loss
 after the last of ``--steps`` steps, all-gather bytes per step (every c10d or functional
 collective seen by a dispatch mode on the last warm-up step; ours also by its own
-``comm_stats()``, whose ``"bytes_by_dtype"`` says which dtype travelled), and dynamo graph breaks (``torch._dynamo.utils.counters["graph_break"]``, in
-total and per step). A system that raises is recorded with its error and the run goes on; the
-script exits non-zero only on its own bugs. Numbers and commands: docs/benchmarks.md; the method in
-detail: docs/benchmarks_history.md, "HF Llama, float8 and compile".
+``comm_stats()``, whose ``"bytes_by_dtype"`` says which dtype travelled), and dynamo graph breaks
+(``torch._dynamo.utils.counters["graph_break"]``, in total and per step). A system that raises is
+recorded with its error and the run goes on; the script exits non-zero only on its own bugs.
+Numbers and commands: docs/benchmarks.md; the method in detail: docs/benchmarks_history.md, "HF
+Llama, float8 and compile".
 """
 
 from __future__ import annotations
@@ -129,7 +130,7 @@ class System:
 
 
 def all_systems(strategies=("optim_grads_params",)) -> List[System]:
-    """Every system, FSDP2's first; per precision FSDP2 then ours, so each recipe's pair sits together."""
+    """Every system: FSDP2's, then ours per strategy, each in RECIPES' order (bf16, fp8, fp8rw, fp8rwhp)."""
     out = [System(f"fsdp2-{suffix}", "fsdp2", recipe) for suffix, recipe in RECIPES.items()]
     for s in strategies:
         infix = "" if s == "optim_grads_params" else f"-{s}"
@@ -650,8 +651,9 @@ def results_markdown(meta: Dict[str, Any], results: List[Dict[str, Any]]) -> str
         f"- step = forward + backward + optimizer.step (+ fp8 scale precompute) + zero_grad; {meta['steps']} steps "
         f"on one fixed batch; step s = median of the last {meta['steps'] - meta['warmup']} (after {meta['warmup']} "
         f"warm-up); peak / reserved = max_memory_allocated / max_memory_reserved over the training steps; loss = "
-        f"after the last step; Δ loss = against FSDP2 of the same precision and recipe; all-gather = bytes of the all-gather "
-        f"outputs per step (every collective counted on the last warm-up step; ours: also its comm_stats()); "
+        f"after the last step; Δ loss = against FSDP2 of the same precision and recipe; all-gather = bytes of the "
+        f"all-gather outputs per step (every collective counted on the last warm-up step; ours: also its "
+        f"comm_stats()); "
         f"graph breaks = dynamo's counter, all steps / after the first step",
         "",
         "| system | status | step s | tokens/s | peak GiB | reserved GiB | loss | Δ loss | all-gather MB/step | "

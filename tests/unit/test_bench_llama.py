@@ -75,7 +75,8 @@ def test_the_smoke_configuration_trains_fsdp2_and_ours_to_the_same_loss(tmp_path
 
 # ---------------------------------------------------------------- torchao's rowwise recipes (issue 63)
 def test_rowwise_systems_run_only_when_asked_and_pair_with_fsdp2():
-    names = lambda spec, strategies=("optim_grads_params",): [s.name for s in bench_llama.select_systems(spec, strategies)]
+    def names(spec, strategies=("optim_grads_params",)):
+        return [s.name for s in bench_llama.select_systems(spec, strategies)]
     assert names("all") == ["fsdp2-bf16", "fsdp2-fp8", "ours-bf16", "ours-fp8"]
     assert names("rowwise") == ["fsdp2-fp8rw", "fsdp2-fp8rwhp", "ours-fp8rw", "ours-fp8rwhp"]
     assert names("ours-fp8rwhp,fp8") == ["fsdp2-fp8", "ours-fp8", "ours-fp8rwhp"]
@@ -97,12 +98,12 @@ def test_the_rowwise_goal_compares_ours_with_fsdp2_of_the_same_recipe():
     by = {r["name"]: r for r in (run("fsdp2-fp8rw", 0.30, 40.0), run("ours-fp8rw", 0.29, 40.0, {"torch.bfloat16": 8}),
                                  run("fsdp2-fp8rwhp", 0.30, 40.0),
                                  run("ours-fp8rwhp", 0.31, 39.0, {"torch.bfloat16": 6, "torch.float8_e4m3fn": 2}))}
+    goal = bench_llama.ROWWISE_GOAL
     assert bench_llama.rowwise_goals(meta, by) == [
-        f"goal {bench_llama.ROWWISE_GOAL} (rowwise): step 0.967x, peak 40.00 vs 40.00 GiB (reserved 41.00 vs 41.00) -> met",
-        f"goal {bench_llama.ROWWISE_GOAL} (rowwise_with_gw_hp): step 1.033x, peak 39.00 vs 40.00 GiB (reserved 40.00 vs "
-        "41.00) -> missed",
+        f"goal {goal} (rowwise): step 0.967x, peak 40.00 vs 40.00 GiB (reserved 41.00 vs 41.00) -> met",
+        f"goal {goal} (rowwise_with_gw_hp): step 1.033x, peak 39.00 vs 40.00 GiB (reserved 40.00 vs 41.00) -> missed",
         "ours-fp8rw all-gathers carried torch.bfloat16 (comm_stats) -> nothing in float8, as the recipe asks",
         "ours-fp8rwhp all-gathers carried torch.bfloat16, torch.float8_e4m3fn (comm_stats) -> float8 gathered: "
         "['torch.float8_e4m3fn']"]
     assert bench_llama.rowwise_goals(dict(meta, compile=False), by)[0] == \
-        f"goal {bench_llama.ROWWISE_GOAL} (rowwise): not checked here (compiled layers on a GPU, a real group)"
+        f"goal {goal} (rowwise): not checked here (compiled layers on a GPU, a real group)"

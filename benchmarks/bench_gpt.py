@@ -179,7 +179,7 @@ def run_system(ctx: Ctx, system: System) -> Dict[str, Any]:
             stats = built.comm_stats()
             res["comm_bytes_per_step"] = stats["total_bytes"] / a.steps
             res["comm_calls_per_step"] = {k: v["count"] / a.steps for k, v in stats.items()
-                                          if isinstance(v, dict)}
+                                          if isinstance(v, dict) and "count" in v}
         res["step_s_all"] = times
         if times:
             med = statistics.median(times)

@@ -7,13 +7,24 @@ issue 47, item 6. Every system runs in ONE process, one after the other (build, 
     python benchmarks/bench_llama.py --fake-world-size 8    # each system as rank 0 of a fake 8-way group
     python benchmarks/bench_llama.py --strategies all       # ours also as ZeRO-1/2 and no_shard
     python benchmarks/bench_llama.py --reshard-after-forward none   # ours' root kept gathered, as FSDP2's
+    python benchmarks/bench_llama.py --systems rowwise      # torchao's rowwise recipes, FSDP2 and ours
     python benchmarks/bench_llama.py --layers 2 --hidden 64 --intermediate 128 --heads 4 --kv-heads 2 \\
         --vocab 128 --seq 32 --micro-batch 2 --steps 3 --warmup 1 --no-compile   # CPU smoke (gloo, 1 rank)
 
 The recipe, the same for every system (torchtitan's order): build the model in fp32 from one seed;
-for fp8 ``torchao.float8.convert_to_float8_training(model, config=Float8LinearConfig(
-enable_fsdp_float8_all_gather=True), module_filter_fn=<all but lm_head>)``; ``layer.compile()`` for
-each decoder layer (``--no-compile``: not); then shard each decoder layer and the root:
+for float8 ``torchao.float8.convert_to_float8_training(model, config=<recipe>, module_filter_fn=<all
+but lm_head>)``; ``layer.compile()`` for each decoder layer (``--no-compile``: not); then shard each
+decoder layer and the root. Four precisions, the suffix of each system's name:
+
+- ``-bf16``: no conversion;
+- ``-fp8``: tensorwise, ``Float8LinearConfig(enable_fsdp_float8_all_gather=True)`` (issue 47): the
+  converted weights are all-gathered in float8, their scales precomputed after each step;
+- ``-fp8rw`` / ``-fp8rwhp``: torchao's ``Float8LinearConfig.from_recipe_name("rowwise")`` /
+  ``("rowwise_with_gw_hp")``, the recipes torchtitan recommends on H100/H200 (issue 63): the weights
+  stay plain and are all-gathered in bf16, each matmul casts to float8 with rowwise scales. Run
+  only when asked (``--systems rowwise``, or by name), so ``--systems all`` keeps its run time;
+
+then for each system:
 
 - ``fsdp2-*``: ``torch.distributed.fsdp.fully_shard(layer)`` per layer, then ``fully_shard(model)``,
   ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``;
@@ -22,16 +33,18 @@ each decoder layer (``--no-compile``: not); then shard each decoder layer and th
 
 then AdamW over the parameters, and per step: forward + backward of one micro-batch (a fixed batch
 of random token ids, the same every step and for every system, so losses fall and compare),
-``optimizer.step()``, for fp8 ``precompute_float8_dynamic_scale_for_fsdp(model)``, ``zero_grad``.
+``optimizer.step()``, for tensorwise fp8 ``precompute_float8_dynamic_scale_for_fsdp(model)``,
+``zero_grad``. Each system's loss is compared with FSDP2's of the same precision and recipe.
 
 Reported per system: median step time after ``--warmup`` steps, peak allocated / reserved GiB
 (``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` over the training steps), the loss
 after the last of ``--steps`` steps, all-gather bytes per step (every c10d or functional
 collective seen by a dispatch mode on the last warm-up step; ours also by its own
-``comm_stats()``), and dynamo graph breaks (``torch._dynamo.utils.counters["graph_break"]``, in
-total and per step). A system that raises is recorded with its error and the run goes on; the
-script exits non-zero only on its own bugs. Numbers and commands: docs/benchmarks.md; the method in
-detail: docs/benchmarks_history.md, "HF Llama, float8 and compile".
+``comm_stats()``, whose ``"bytes_by_dtype"`` says which dtype travelled), and dynamo graph breaks
+(``torch._dynamo.utils.counters["graph_break"]``, in total and per step). A system that raises is
+recorded with its error and the run goes on; the script exits non-zero only on its own bugs.
+Numbers and commands: docs/benchmarks.md; the method in detail: docs/benchmarks_history.md, "HF
+Llama, float8 and compile".
 """
 
 from __future__ import annotations
@@ -84,48 +97,70 @@ DEFAULTS = dict(layers=8, hidden=4096, intermediate=14336, heads=32, kv_heads=8,
 # =============================================================================================
 
 
+# precision suffix of a system's name -> torchao float8 recipe (None: bf16, no conversion)
+RECIPES = {"bf16": None, "fp8": "tensorwise", "fp8rw": "rowwise", "fp8rwhp": "rowwise_with_gw_hp"}
+ROWWISE = ("rowwise", "rowwise_with_gw_hp")
+RECIPE_TEXT = {
+    None: "bf16",
+    "tensorwise": "torchao float8 tensorwise (Float8LinearConfig(enable_fsdp_float8_all_gather=True), all but "
+                  "lm_head; gathered in float8)",
+    "rowwise": "torchao float8 Float8LinearConfig.from_recipe_name('rowwise') (all but lm_head; gathered in bf16)",
+    "rowwise_with_gw_hp": "torchao float8 Float8LinearConfig.from_recipe_name('rowwise_with_gw_hp') (all but "
+                          "lm_head; gathered in bf16)",
+}
+
+
 @dataclass(frozen=True)
 class System:
     name: str
     kind: str                         # fsdp2 | ours
-    fp8: bool
+    recipe: Optional[str]             # a RECIPES value: None (bf16), tensorwise, rowwise, rowwise_with_gw_hp
     strategy: Optional[str] = None    # ours
 
     @property
+    def fp8(self) -> bool:
+        return self.recipe is not None
+
+    @property
     def description(self) -> str:
-        prec = ("torchao float8 (Float8LinearConfig(enable_fsdp_float8_all_gather=True), all but lm_head)"
-                if self.fp8 else "bf16")
+        prec = RECIPE_TEXT[self.recipe]
         if self.kind == "fsdp2":
             return f"torch FSDP2 fully_shard per decoder layer + root, ZeRO-3, {prec}"
         return f"megatron_fsdp_v2 fully_shard({self.strategy}) = {ZERO_NAME[self.strategy]}, {prec}"
 
 
 def all_systems(strategies=("optim_grads_params",)) -> List[System]:
-    out = [System("fsdp2-bf16", "fsdp2", False), System("fsdp2-fp8", "fsdp2", True)]
+    """Every system: FSDP2's, then ours per strategy, each in RECIPES' order (bf16, fp8, fp8rw, fp8rwhp)."""
+    out = [System(f"fsdp2-{suffix}", "fsdp2", recipe) for suffix, recipe in RECIPES.items()]
     for s in strategies:
         infix = "" if s == "optim_grads_params" else f"-{s}"
-        out += [System(f"ours{infix}-bf16", "ours", False, s), System(f"ours{infix}-fp8", "ours", True, s)]
+        out += [System(f"ours{infix}-{suffix}", "ours", recipe, s) for suffix, recipe in RECIPES.items()]
     return out
 
 
 def select_systems(spec: str, strategies) -> List[System]:
-    """``all`` or a comma list of names or tokens: ``fsdp2``, ``ours``, ``bf16``, ``fp8``."""
+    """``all`` or a comma list of names or tokens: ``fsdp2``, ``ours``, ``bf16``, ``fp8`` (tensorwise),
+    ``rowwise`` (both rowwise recipes). ``all``, ``fsdp2`` and ``ours`` leave the rowwise systems out
+    (``rowwise`` or their names add them)."""
     everything = all_systems(strategies)
+    default = [s for s in everything if s.recipe not in ROWWISE]
     chosen: List[System] = []
     for token in (t.strip() for t in (spec or "all").split(",")):
         if not token:
             continue
         if token == "all":
-            matches = everything
+            matches = default
         elif token in ("bf16", "fp8"):
-            matches = [s for s in everything if s.fp8 == (token == "fp8")]
+            matches = [s for s in everything if s.recipe == RECIPES[token]]
+        elif token == "rowwise":
+            matches = [s for s in everything if s.recipe in ROWWISE]
         elif token in ("fsdp2", "ours"):
-            matches = [s for s in everything if s.kind == token]
+            matches = [s for s in default if s.kind == token]
         else:
             matches = [s for s in everything if s.name == token]
         if not matches:
-            raise SystemExit(f"--systems: unknown system {token!r}; choose from all, fsdp2, ours, bf16, fp8 or: "
-                             + ", ".join(s.name for s in everything) + " (others with --strategies)")
+            raise SystemExit(f"--systems: unknown system {token!r}; choose from all, fsdp2, ours, bf16, fp8, rowwise "
+                             "or: " + ", ".join(s.name for s in everything) + " (others with --strategies)")
         chosen += [s for s in matches if s not in chosen]
     order = {s.name: i for i, s in enumerate(everything)}
     return sorted(chosen, key=lambda s: order[s.name])
@@ -238,16 +273,23 @@ def cleanup(ctx: Ctx) -> None:
 # =============================================================================================
 
 
-def float8_config(ctx: Ctx):
+def float8_config(ctx: Ctx, recipe: str):
+    """tensorwise: issue 47's config (float8 all-gather); rowwise recipes: torchao's named config as
+    torchtitan uses it; ``emulate`` set on either (a frozen dataclass: ``dataclasses.replace``)."""
+    import dataclasses
+
     from torchao.float8 import Float8LinearConfig
 
-    return Float8LinearConfig(enable_fsdp_float8_all_gather=True, emulate=ctx.args.emulate)
+    if recipe == "tensorwise":
+        return Float8LinearConfig(enable_fsdp_float8_all_gather=True, emulate=ctx.args.emulate)
+    return dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=ctx.args.emulate)
 
 
-def convert_float8(ctx: Ctx, model) -> int:
+def convert_float8(ctx: Ctx, model, recipe: str) -> int:
     from torchao.float8 import convert_to_float8_training
 
-    convert_to_float8_training(model, config=float8_config(ctx), module_filter_fn=lambda m, fqn: fqn != "lm_head")
+    convert_to_float8_training(model, config=float8_config(ctx, recipe),
+                               module_filter_fn=lambda m, fqn: fqn != "lm_head")
     from torchao.float8.float8_linear import Float8Linear
 
     return sum(isinstance(m, Float8Linear) for m in model.modules())
@@ -283,8 +325,8 @@ def build_system(ctx: Ctx, system: System, notes: List[str]):
     a = ctx.args
     model = build_llama(ctx)
     if system.fp8:
-        n = convert_float8(ctx, model)
-        notes.append(f"{n} nn.Linear -> Float8Linear{' (emulate=True)' if a.emulate else ''}")
+        n = convert_float8(ctx, model, system.recipe)
+        notes.append(f"{n} nn.Linear -> Float8Linear ({system.recipe}){' (emulate=True)' if a.emulate else ''}")
     layers = decoder_layers(model)
     if a.compile:
         for layer in layers:
@@ -313,7 +355,7 @@ def build_system(ctx: Ctx, system: System, notes: List[str]):
     kernel = ", fused=True" if fused else ("" if foreach is None else f", foreach={foreach}")
     notes.append(f"AdamW(lr={a.lr:g}{kernel})")
     after_step = None
-    if system.fp8:
+    if system.recipe == "tensorwise":       # rowwise recipes: plain weights, no scale to precompute
         from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
         notes.append(precompute_coverage(model))
@@ -381,7 +423,8 @@ def run_system(ctx: Ctx, system: System) -> Dict[str, Any]:
     from torch._dynamo.utils import counters
 
     a = ctx.args
-    res: Dict[str, Any] = dict(name=system.name, kind=system.kind, fp8=system.fp8, strategy=system.strategy,
+    res: Dict[str, Any] = dict(name=system.name, kind=system.kind, fp8=system.fp8, recipe=system.recipe,
+                               strategy=system.strategy,
                                zero=ZERO_NAME.get(system.strategy or "optim_grads_params"),
                                description=system.description, status="ok", error=None, notes=[])
     torch._dynamo.reset()
@@ -487,8 +530,8 @@ def _fmt(v, spec=".3f", none="-"):
 
 
 def _reference(results, r) -> Optional[Dict[str, Any]]:
-    """The FSDP2 run of the same precision, the loss each system is compared with."""
-    ref = next((x for x in results if x["kind"] == "fsdp2" and x["fp8"] == r["fp8"]
+    """The FSDP2 run of the same precision and float8 recipe, the loss each system is compared with."""
+    ref = next((x for x in results if x["kind"] == "fsdp2" and x.get("recipe") == r.get("recipe")
                 and x["status"] == "ok"), None)
     return None if ref is None or ref is r else ref
 
@@ -537,6 +580,38 @@ def goals(meta, results) -> List[str]:
         split = _float8_weights_ratio(o8, ob)
         if split is not None:
             out.append(split)
+    return out + rowwise_goals(meta, by)
+
+
+ROWWISE_GOAL = "rowwise float8, compiled: ours step <= 1.0x FSDP2's with the same recipe, peak <= FSDP2's"
+
+
+def rowwise_goals(meta, by: Dict[str, Dict[str, Any]]) -> List[str]:
+    """Issue 63's goal per rowwise recipe (ours ZeRO-3 against FSDP2, both compiled, on a GPU, a
+    real group), and what ours' all-gathers carried under each rowwise system (``comm_stats()``'s
+    ``"bytes_by_dtype"``: the recipe gathers plain bf16 weights, so no float8 may appear)."""
+    out = []
+    measurable = meta["compile"] and not meta["fake"] and meta["device"].startswith("cuda")
+    for suffix in ("fp8rw", "fp8rwhp"):
+        ours, fsdp2 = by.get(f"ours-{suffix}"), by.get(f"fsdp2-{suffix}")
+        if not (ours and fsdp2):
+            continue
+        if not measurable or ours.get("peak_gib") is None or fsdp2.get("peak_gib") is None:
+            out.append(f"goal {ROWWISE_GOAL} ({RECIPES[suffix]}): not checked here (compiled layers on a GPU, "
+                       "a real group)")
+            continue
+        ratio = ours["step_s"] / fsdp2["step_s"]
+        ok = ratio <= 1.0 and ours["peak_gib"] <= fsdp2["peak_gib"]
+        out.append(f"goal {ROWWISE_GOAL} ({RECIPES[suffix]}): step {ratio:.3f}x, peak {ours['peak_gib']:.2f} vs "
+                   f"{fsdp2['peak_gib']:.2f} GiB (reserved {_fmt(ours.get('reserved_gib'), '.2f')} vs "
+                   f"{_fmt(fsdp2.get('reserved_gib'), '.2f')}) -> {'met' if ok else 'missed'}")
+    for r in by.values():
+        gathered = (r.get("ours_comm_stats_per_step") or {}).get("bytes_by_dtype", {}).get("all_gather")
+        if r.get("recipe") not in ROWWISE or gathered is None:
+            continue
+        float8 = sorted(name for name in gathered if "float8" in name)
+        out.append(f"{r['name']} all-gathers carried {', '.join(sorted(gathered)) or 'nothing'} (comm_stats) -> "
+                   + ("nothing in float8, as the recipe asks" if not float8 else f"float8 gathered: {float8}"))
     return out
 
 
@@ -555,7 +630,6 @@ def _float8_weights_ratio(o8: Dict[str, Any], ob: Dict[str, Any]) -> Optional[st
     return (f"float8-converted weights alone: {one_byte / 1e6:.1f} MB in fp8 vs {converted_in_bf16 / 1e6:.1f} MB in bf16 "
             f"= {one_byte / converted_in_bf16:.4f}x; the weights the recipe keeps in bf16 move {kept_bf16 / 1e6:.1f} MB "
             "in both runs")
-    return out
 
 
 def results_markdown(meta: Dict[str, Any], results: List[Dict[str, Any]]) -> str:
@@ -572,13 +646,15 @@ def results_markdown(meta: Dict[str, Any], results: List[Dict[str, Any]]) -> str
         f"- command: `{meta['command']}`",
         f"- fp32 weights, bf16 compute, AdamW(lr={meta['lr']:g}); "
         f"{'each decoder layer compiled (layer.compile())' if meta['compile'] else 'eager (--no-compile)'}; "
-        f"fp8: torchao float8{' (emulate=True)' if meta['emulate'] else ''}, all-gathered in fp8, scales "
-        f"precomputed after each optimizer step",
+        f"torchao float8{' (emulate=True)' if meta['emulate'] else ''}: fp8 = tensorwise, all-gathered in fp8, "
+        f"scales precomputed after each optimizer step; fp8rw / fp8rwhp = the rowwise / rowwise_with_gw_hp "
+        f"recipes, all-gathered in bf16",
         f"- step = forward + backward + optimizer.step (+ fp8 scale precompute) + zero_grad; {meta['steps']} steps "
         f"on one fixed batch; step s = median of the last {meta['steps'] - meta['warmup']} (after {meta['warmup']} "
         f"warm-up); peak / reserved = max_memory_allocated / max_memory_reserved over the training steps; loss = "
-        f"after the last step; Δ loss = against FSDP2 of the same precision; all-gather = bytes of the all-gather "
-        f"outputs per step (every collective counted on the last warm-up step; ours: also its comm_stats()); "
+        f"after the last step; Δ loss = against FSDP2 of the same precision and recipe; all-gather = bytes of the "
+        f"all-gather outputs per step (every collective counted on the last warm-up step; ours: also its "
+        f"comm_stats()); "
         f"graph breaks = dynamo's counter, all steps / after the first step",
         "",
         "| system | status | step s | tokens/s | peak GiB | reserved GiB | loss | Δ loss | all-gather MB/step | "
@@ -654,11 +730,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                             ("--micro-batch", "micro_batch", "micro-batch size")):
         g.add_argument(flag, type=int, default=DEFAULTS[key], help=f"{what} (default {DEFAULTS[key]})")
     g = p.add_argument_group("run")
-    g.add_argument("--systems", default="all", help="'all' (default) or a comma list of names or tokens (fsdp2, "
-                   "ours, bf16, fp8): fsdp2-bf16, fsdp2-fp8, ours-bf16, ours-fp8, ours-<strategy>-bf16/-fp8")
+    g.add_argument("--systems", default="all", help="'all' (default: bf16 and tensorwise fp8) or a comma list of "
+                   "names or tokens (fsdp2, ours, bf16, fp8, rowwise: both rowwise recipes, run only when asked): "
+                   "fsdp2-bf16, fsdp2-fp8, fsdp2-fp8rw, fsdp2-fp8rwhp, ours-bf16, ours-fp8, ours-fp8rw, "
+                   "ours-fp8rwhp, ours-<strategy>-<precision>")
     g.add_argument("--strategies", default="optim_grads_params",
                    help="ours' sharding strategies, comma list or 'all' (default optim_grads_params = ZeRO-3, "
-                   "named ours-bf16/ours-fp8; the others are named ours-<strategy>-bf16/-fp8): "
+                   "named ours-bf16/ours-fp8/...; the others are named ours-<strategy>-bf16/-fp8/...): "
                    + ", ".join(STRATEGIES))
     g.add_argument("--reshard-after-forward", choices=("true", "none", "false"), default="true",
                    help="ours' fully_shard(reshard_after_forward=...) (default true, ours' default: every unit "
@@ -769,7 +847,8 @@ def main(argv=None) -> int:
         for system in systems:
             elapsed = time.perf_counter() - T_START
             if args.time_budget and elapsed > args.time_budget:
-                r = dict(name=system.name, kind=system.kind, fp8=system.fp8, strategy=system.strategy,
+                r = dict(name=system.name, kind=system.kind, fp8=system.fp8, recipe=system.recipe,
+                         strategy=system.strategy,
                          description=system.description, status="skipped", notes=[],
                          error=f"--time-budget {args.time_budget:.0f} s used up ({elapsed:.0f} s)")
             else:

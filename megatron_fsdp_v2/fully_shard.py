@@ -191,8 +191,10 @@ class FullyShardedModule:
 
     def comm_stats(self) -> dict:
         """Calls and bytes of each collective over the (shard) group since the last
-        ``reset_comm_stats()``; with hybrid sharding also ``"across_replicas"``: those over the
-        outer group, counted apart; with expert parameters ``"experts"``: those over their group."""
+        ``reset_comm_stats()``, and under ``"bytes_by_dtype"`` which dtypes those bytes were
+        (comm/collectives.py, ``CommStats.as_dict``); with hybrid sharding also
+        ``"across_replicas"``: those over the outer group, counted apart; with expert parameters
+        ``"experts"``: those over their group."""
         engine = self._fsdp_engine
         stats = engine.comm.stats.as_dict()
         if engine.replicas is not None:

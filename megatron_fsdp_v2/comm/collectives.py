@@ -62,18 +62,31 @@ COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "all_t
 
 @dataclass
 class CommStats:
-    """Number of calls and bytes per collective since the last ``reset()``."""
+    """Number of calls and bytes per collective since the last ``reset()``, and the bytes of each
+    collective split by the dtype they are (bf16 weights, float8 weights, fp32 gradients, ...)."""
 
     counts: dict = field(default_factory=lambda: {name: 0 for name in COLLECTIVES})
     nbytes: dict = field(default_factory=lambda: {name: 0 for name in COLLECTIVES})
+    # per collective: {torch.dtype: bytes}; what the bytes are, which is not always the dtype that
+    # travels (an extension group gathers its float8 and bf16 outputs as one uint8 buffer)
+    dtype_bytes: dict = field(default_factory=lambda: {name: {} for name in COLLECTIVES})
     # FSDP2's extension protocol: the metadata tensors (torchao's float8 scales) its gathers
     # carried beside the gathered bytes; they stay on the rank (the class reduces their amax itself)
     scale_count: int = 0
     scale_bytes: int = 0
 
-    def record(self, name: str, tensor: torch.Tensor) -> None:
+    def record(self, name: str, tensor: torch.Tensor, carried: Optional[dict] = None) -> None:
+        """One call of collective ``name`` covering ``tensor``; ``carried``: ``{dtype: bytes}`` of what
+        ``tensor``'s bytes are, where that is not ``tensor.dtype`` (same total)."""
+        nbytes = tensor.numel() * tensor.element_size()
         self.counts[name] += 1
-        self.nbytes[name] += tensor.numel() * tensor.element_size()
+        self.nbytes[name] += nbytes
+        by_dtype = self.dtype_bytes[name]
+        if carried is None:
+            by_dtype[tensor.dtype] = by_dtype.get(tensor.dtype, 0) + nbytes
+            return
+        for dtype, part in carried.items():
+            by_dtype[dtype] = by_dtype.get(dtype, 0) + part
 
     def record_scales(self, tensors: list) -> None:
         self.scale_count += len(tensors)
@@ -83,14 +96,47 @@ class CommStats:
         for name in COLLECTIVES:
             self.counts[name] = 0
             self.nbytes[name] = 0
+            self.dtype_bytes[name].clear()
         self.scale_count = self.scale_bytes = 0
 
+    # what a CUDA-graph replay adds (graphs/graphed_step.py: the counts of the captured step)
+    def snapshot(self) -> "CommStats":
+        """A copy of the counts now (later calls do not change it)."""
+        return CommStats(dict(self.counts), dict(self.nbytes), {n: dict(d) for n, d in self.dtype_bytes.items()},
+                         self.scale_count, self.scale_bytes)
+
+    def since(self, before: "CommStats") -> "CommStats":
+        """What was counted after ``before`` (a ``snapshot()`` of this one)."""
+        return CommStats({n: self.counts[n] - before.counts[n] for n in COLLECTIVES},
+                         {n: self.nbytes[n] - before.nbytes[n] for n in COLLECTIVES},
+                         {n: {dtype: part - before.dtype_bytes[n].get(dtype, 0)
+                              for dtype, part in self.dtype_bytes[n].items()
+                              if dtype not in before.dtype_bytes[n] or part != before.dtype_bytes[n][dtype]}
+                          for n in COLLECTIVES},
+                         self.scale_count - before.scale_count, self.scale_bytes - before.scale_bytes)
+
+    def add(self, delta: "CommStats") -> None:
+        """Count ``delta`` (a ``since()``) once more, as if its collectives ran again."""
+        for name in COLLECTIVES:
+            self.counts[name] += delta.counts[name]
+            self.nbytes[name] += delta.nbytes[name]
+            by_dtype = self.dtype_bytes[name]
+            for dtype, part in delta.dtype_bytes[name].items():
+                by_dtype[dtype] = by_dtype.get(dtype, 0) + part
+        self.scale_count += delta.scale_count
+        self.scale_bytes += delta.scale_bytes
+
     def as_dict(self) -> dict:
-        """``{collective: {"count": n, "bytes": b}}`` plus ``"total_bytes"``; after gathers through
-        FSDP2's extension protocol also ``"gather_scales"``: the metadata tensors (float8 scales)
-        they used, not in ``"total_bytes"`` (computed on every rank, not sent by us)."""
+        """``{collective: {"count": n, "bytes": b}}`` plus ``"total_bytes"`` and ``"bytes_by_dtype"``:
+        ``{collective: {"torch.bfloat16": b1, "torch.float32": b2, ...}}`` for each collective that
+        ran, its bytes split by what they are (``str(dtype)``; a float8 weight gathered as bytes
+        counts as ``"torch.float8_e4m3fn"``). After gathers through FSDP2's extension protocol also
+        ``"gather_scales"``: the metadata tensors (float8 scales) they used, not in ``"total_bytes"``
+        (computed on every rank, not sent by us)."""
         out = {name: {"count": self.counts[name], "bytes": self.nbytes[name]} for name in COLLECTIVES}
         out["total_bytes"] = sum(self.nbytes.values())
+        out["bytes_by_dtype"] = {name: {str(dtype): part for dtype, part in self.dtype_bytes[name].items()}
+                                 for name in COLLECTIVES if self.dtype_bytes[name]}
         if self.scale_count:
             out["gather_scales"] = {"count": self.scale_count, "bytes": self.scale_bytes}
         return out
@@ -109,10 +155,12 @@ class Communicator:
         self.ledger: CollectiveLedger = ledger
         self.ledger_mode: LedgerMode = mode
 
-    def all_gather(self, output: torch.Tensor, shard: torch.Tensor, async_op: bool = False, label: str = ""):
-        """Gather equal shards from every rank into ``output`` (rank order)."""
+    def all_gather(self, output: torch.Tensor, shard: torch.Tensor, async_op: bool = False, label: str = "",
+                   carried: Optional[dict] = None):
+        """Gather equal shards from every rank into ``output`` (rank order); ``carried``: ``{dtype:
+        bytes}`` of what ``output``'s bytes are when it is a byte buffer (counted so, not as uint8)."""
         self.ledger.before("all_gather", output, label, self.ledger_mode)
-        self.stats.record("all_gather", output)
+        self.stats.record("all_gather", output, carried)
         return all_gather_single(output, shard, group=self.group, async_op=async_op)
 
     def reduce_scatter(self, shard_out: torch.Tensor, full: torch.Tensor, async_op: bool = False, label: str = "",
@@ -143,10 +191,9 @@ class Communicator:
         ranks together, the same number on every rank (as an all-gather counts its whole output), which
         the caller knows from a plan every rank shares (e.g. optim/matrix_owners.py's)."""
         # every rank names the exchange's whole size (its own send differs between ranks)
-        self.ledger.before("all_to_all", torch.empty(covered_numel, dtype=send.dtype, device="meta"), label,
-                           self.ledger_mode)
-        self.stats.counts["all_to_all"] += 1
-        self.stats.nbytes["all_to_all"] += covered_numel * send.element_size()
+        covered = torch.empty(covered_numel, dtype=send.dtype, device="meta")
+        self.ledger.before("all_to_all", covered, label, self.ledger_mode)
+        self.stats.record("all_to_all", covered)
         return dist.all_to_all_single(output, send, list(output_splits), list(send_splits), group=self.group,
                                       async_op=async_op)
 

@@ -131,7 +131,10 @@ class ExtensionWeights:
         with torch.no_grad():
             torch.cat([out.contiguous().view(-1).view(torch.uint8) for outputs, _ in pres for out in outputs],
                       out=slot)
-        work = comm.all_gather(gathered, slot, async_op=async_op, label=f"weights of {group.name}")
+        carried: dict = {}                      # what the uint8 bytes are, for comm_stats()
+        for out, width in zip((out for outputs, _ in pres for out in outputs), widths):
+            carried[out.dtype] = carried.get(out.dtype, 0) + width * comm.size
+        work = comm.all_gather(gathered, slot, async_op=async_op, label=f"weights of {group.name}", carried=carried)
 
         def copy_out() -> None:
             for index, (outputs, _) in enumerate(pres):

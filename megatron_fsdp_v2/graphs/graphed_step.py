@@ -79,7 +79,7 @@ class GraphedStep:
     static_output: Any                     # what the step returned at capture (replays rewrite its tensors)
     watch: CaptureWatch
     _stream: Optional["torch.cuda.Stream"]  # the side stream of warm-up and capture
-    _comm_counts: list                     # per Communicator: (stats, counts, nbytes) one replay adds
+    _comm_counts: list                     # per Communicator: (its CommStats, what one replay adds)
 
     def __init__(self, step_fn: Callable[..., Any], models: Union[nn.Module, Sequence[nn.Module]],
                  optimizers: Union[Any, Sequence[Any]], warmup_steps: int = 3) -> None:
@@ -168,10 +168,8 @@ class GraphedStep:
 
     def _replay(self) -> Any:
         self.graph.replay()
-        for stats, counts, nbytes in self._comm_counts:
-            for name, count in counts.items():
-                stats.counts[name] += count
-                stats.nbytes[name] += nbytes[name]
+        for stats, delta in self._comm_counts:
+            stats.add(delta)
         return self.static_output
 
     def _drop_graph(self, change: str) -> None:
@@ -190,12 +188,11 @@ class GraphedStep:
                                    "end with its backward and its gradient reduction done.")
 
     def _comm_snapshot(self) -> list:
-        return [(comm.stats, dict(comm.stats.counts), dict(comm.stats.nbytes))
-                for engine in self.engines for comm in communicators(engine)]
+        return [(comm.stats, comm.stats.snapshot()) for engine in self.engines for comm in communicators(engine)]
 
     def _comm_delta(self, before: list) -> list:
-        return [(stats, {k: stats.counts[k] - counts[k] for k in counts}, {k: stats.nbytes[k] - nbytes[k] for k in nbytes})
-                for stats, counts, nbytes in before]
+        """Per Communicator what the capture counted (calls, bytes, bytes by dtype, float8 scales)."""
+        return [(stats, stats.since(snapshot)) for stats, snapshot in before]
 
     def close(self) -> None:
         """Free the graph and give the engines back their default schedule."""

@@ -411,7 +411,8 @@ class FullyShardedDataParallel(DistributedDataParallel):
 
     # ------------------------------------------------------------------ accounting
     def comm_stats(self) -> dict:
-        """Calls and bytes of each collective since the last ``reset_comm_stats()``."""
+        """Calls and bytes of each collective since the last ``reset_comm_stats()``, by dtype too:
+        the wrapped model's ``comm_stats()``."""
         return self.module.comm_stats()
 
     def reset_comm_stats(self) -> None:

@@ -64,12 +64,13 @@ def _check(module, optimizer, micro_batches, mixed_precision) -> None:
 
 
 def _buffer_bytes(module: nn.Module) -> list:
-    """Bytes of each per-dtype broadcast ``broadcast_buffers`` sends (comm/collectives.py coalesces by dtype)."""
+    """``(dtype, bytes)`` of each per-dtype broadcast ``broadcast_buffers`` sends (comm/collectives.py
+    coalesces by dtype)."""
     by_dtype: dict = {}
     for buffer in module.buffers():
         if buffer.numel():
             by_dtype[buffer.dtype] = by_dtype.get(buffer.dtype, 0) + buffer.numel() * buffer.element_size()
-    return list(by_dtype.values())
+    return list(by_dtype.items())
 
 
 @dataclass(frozen=True)

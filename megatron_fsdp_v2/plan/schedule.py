@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+import torch
+
 from ..allocators.pool_plan import DEFAULT_ALIGNMENT, lifetimes_from_trace, peak_bytes, plan_pool
 from ..comm import COLLECTIVES
 from ..strategy import ShardingStrategy
@@ -231,41 +233,45 @@ def step_temporaries(units: list, strategy: ShardingStrategy, shard_size: int, m
 
 
 def _empty_stats() -> dict:
-    return {name: {"count": 0, "bytes": 0} for name in COLLECTIVES}
+    return {**{name: {"count": 0, "bytes": 0} for name in COLLECTIVES}, "bytes_by_dtype": {}}
 
 
-def _add(stats: dict, name: str, count: int, nbytes: int) -> None:
+def _add(stats: dict, name: str, count: int, nbytes: int, dtype: torch.dtype) -> None:
     stats[name]["count"] += count
     stats[name]["bytes"] += count * nbytes
+    by_dtype = stats["bytes_by_dtype"].setdefault(name, {})
+    by_dtype[str(dtype)] = by_dtype.get(str(dtype), 0) + count * nbytes
 
 
 def step_comm(units: list, strategy: ShardingStrategy, micro_batches: int, shard_size: int,
-              replicas: Optional[int] = None, buffer_bytes: Sequence[int] = ()) -> dict:
+              replicas: Optional[int] = None, buffer_bytes: Sequence[tuple] = ()) -> dict:
     """Collectives of one step in ``comm_stats()``'s form: the shard group at the top level and,
     with hybrid sharding (``replicas``: the outer size), the outer group under
-    ``"across_replicas"``. ``buffer_bytes``: the module's buffers per dtype, which
-    ``broadcast_buffers`` sends once per step (at the forward outside ``no_sync()``)."""
+    ``"across_replicas"``. ``buffer_bytes``: ``(dtype, bytes)`` of the module's buffers per dtype,
+    which ``broadcast_buffers`` sends once per step (at the forward outside ``no_sync()``). Weights
+    are counted in their compute dtype: a float8 gather (FSDP2's extension protocol) is not modelled."""
     k = micro_batches
     shard, outer = _empty_stats(), _empty_stats()
     for unit in units:
         for group in unit.groups:
             layout, dt = group.layout, group.dtypes
             if strategy.weights_sharded:              # before forward and (if resharded) backward
-                _add(shard, "all_gather", (2 if unit.reshards_after_forward else 1) * k, group.compute_bytes)
+                _add(shard, "all_gather", (2 if unit.reshards_after_forward else 1) * k, group.compute_bytes,
+                     dt.compute)
             elif strategy.optim_sharded:
-                _add(shard, "all_gather", 1, group.compute_bytes)          # the refresh after the step
+                _add(shard, "all_gather", 1, group.compute_bytes, dt.compute)      # the refresh after the step
             if not group.requires_grad:
                 continue
             _add(shard, strategy.grad_reduce_op, k if strategy.reduce_every_microbatch else 1,
-                 group.reduce_input_bytes)
+                 group.reduce_input_bytes, dt.grad_comm)
             if replicas is not None and replicas > 1:
                 numel = layout.shard_numel if strategy.optim_sharded else layout.total_numel
-                _add(outer, "all_reduce", 1, numel * dt.grad.itemsize)
-    for nbytes in buffer_bytes:
+                _add(outer, "all_reduce", 1, numel * dt.grad.itemsize, dt.grad)
+    for dtype, nbytes in buffer_bytes:
         if shard_size > 1:
-            _add(shard, "broadcast", 1, nbytes)
+            _add(shard, "broadcast", 1, nbytes, dtype)
         if replicas is not None and replicas > 1:
-            _add(outer, "broadcast", 1, nbytes)
+            _add(outer, "broadcast", 1, nbytes, dtype)
     shard["total_bytes"] = sum(shard[name]["bytes"] for name in COLLECTIVES)
     if replicas is None:
         return shard

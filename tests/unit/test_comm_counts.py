@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from megatron_fsdp_v2 import STRATEGY_NAMES, fully_shard
+from megatron_fsdp_v2.comm import COLLECTIVES, CommStats
 
 from tests.comm_counter import CollectiveCounter
 from .dist_utils import run_distributed
@@ -84,6 +85,9 @@ def test_collectives_per_phase_match_the_strategy_table(strategy):
         assert stats[name]["count"] == mb_count + step_count, name
         assert stats[name]["bytes"] == mb_bytes + phases[(1, "step")].get(name, (0, 0))[1], name
         assert count == stats[name]["count"] and nbytes == stats[name]["bytes"]
+    # every byte of this fp32 model is fp32
+    assert stats["bytes_by_dtype"] == {name: {"torch.float32": stats[name]["bytes"]}
+                                       for name in COLLECTIVES if stats[name]["count"]}, stats
 
 
 def test_optim_issues_nothing_before_the_last_microbatch():
@@ -103,3 +107,39 @@ def test_bytes_moved_are_the_padded_buffers_at_dp4():
     assert moved_per_collective == 15200      # bytes: 4 B x sum over parameters of 4 ceil(rows / 4) rows
     assert true_numel == 3248                 # elements: 15200 B pads 17% over 12992 B
     assert stats["reduce_scatter"]["bytes"] == K * moved_per_collective
+
+
+# ---------------------------------------------------------------- bytes by dtype, and what a replay adds
+def test_bytes_by_dtype_name_what_the_bytes_are():
+    """A collective's bytes split by dtype; a byte buffer counts as what it carries (an extension
+    group's float8 and bf16 outputs gathered as uint8), never as uint8; reset empties the split."""
+    stats = CommStats()
+    stats.record("all_gather", torch.empty(8, dtype=torch.bfloat16, device="meta"))
+    stats.record("all_gather", torch.empty(40, dtype=torch.uint8, device="meta"),
+                 carried={torch.float8_e4m3fn: 32, torch.bfloat16: 8})
+    stats.record("reduce_scatter", torch.empty(4, dtype=torch.float32, device="meta"))
+    out = stats.as_dict()
+    assert out["all_gather"] == {"count": 2, "bytes": 56} and out["total_bytes"] == 72
+    assert out["bytes_by_dtype"] == {"all_gather": {"torch.bfloat16": 24, "torch.float8_e4m3fn": 32},
+                                     "reduce_scatter": {"torch.float32": 16}}
+    stats.reset()
+    assert stats.as_dict()["bytes_by_dtype"] == {} and stats.as_dict()["total_bytes"] == 0
+
+
+def test_a_replayed_step_adds_what_its_capture_counted():
+    """graphs/graphed_step.py's replay: ``since`` a snapshot, then ``add`` per replay (calls, bytes,
+    bytes by dtype, float8 scales); the snapshot does not move with later counts."""
+    stats = CommStats()
+    stats.record("all_gather", torch.empty(2, dtype=torch.float32, device="meta"))
+    before = stats.snapshot()
+    stats.record("all_gather", torch.empty(4, dtype=torch.bfloat16, device="meta"))
+    stats.record("all_reduce", torch.empty(3, dtype=torch.float32, device="meta"))
+    stats.record_scales([torch.empty(1, device="meta")])
+    delta = stats.since(before)
+    assert before.as_dict()["bytes_by_dtype"] == {"all_gather": {"torch.float32": 8}}
+    stats.add(delta)
+    out = stats.as_dict()
+    assert (out["all_gather"], out["all_reduce"]) == ({"count": 3, "bytes": 24}, {"count": 2, "bytes": 24})
+    assert out["bytes_by_dtype"] == {"all_gather": {"torch.float32": 8, "torch.bfloat16": 16},
+                                     "all_reduce": {"torch.float32": 24}}
+    assert out["gather_scales"] == {"count": 2, "bytes": 8}

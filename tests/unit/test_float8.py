@@ -5,7 +5,15 @@ then ``fully_shard``, then ``precompute_float8_dynamic_scale_for_fsdp(model)`` a
 Every strategy must train as torch DDP and FSDP2 do with the same conversion; before the protocol
 the float8 layers computed with their own stale copy of the weights (loss 0.415 after 6 steps where
 DDP reaches 0.081 on the model below).
+
+torchao's rowwise recipes (``Float8LinearConfig.from_recipe_name("rowwise")`` and
+``"rowwise_with_gw_hp"``, the ones torchtitan recommends) keep plain high-precision weights: they
+cast inside each matmul, so every strategy gathers the weights in their own dtype, never in float8,
+and trains as torch DDP does with the same conversion, eager and compiled.
 """
+
+import dataclasses
+import functools
 
 import pytest
 import torch
@@ -18,6 +26,7 @@ from tests.unit.dist_utils import run_distributed
 torchao_float8 = pytest.importorskip("torchao.float8", reason="torchao is not installed (pip install '.[float8]')")
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
+ROWWISE = ["rowwise", "rowwise_with_gw_hp"]
 WIDTH = 32
 
 
@@ -41,12 +50,20 @@ class Net(nn.Module):
         return self.head(self.blocks(x))
 
 
-def float8_net(seed: int = 0, convert: bool = True) -> Net:
+def float8_config(recipe: str = "tensorwise"):
+    """Emulated float8 (CPU): ``"tensorwise"`` with float8 all-gather (issue 47's recipe), or one of
+    torchao's named recipes as they come, ``emulate`` set on the frozen config."""
+    if recipe == "tensorwise":
+        return torchao_float8.Float8LinearConfig(enable_fsdp_float8_all_gather=True, emulate=True)
+    return dataclasses.replace(torchao_float8.Float8LinearConfig.from_recipe_name(recipe), emulate=True)
+
+
+def float8_net(seed: int = 0, convert: bool = True, recipe: str = "tensorwise") -> Net:
     torch.manual_seed(seed)
     model = Net()
     if convert:
-        config = torchao_float8.Float8LinearConfig(enable_fsdp_float8_all_gather=True, emulate=True)
-        torchao_float8.convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: fqn != "head")
+        torchao_float8.convert_to_float8_training(model, config=float8_config(recipe),
+                                                  module_filter_fn=lambda m, fqn: fqn != "head")
     return model
 
 
@@ -64,8 +81,9 @@ def wrap(model: Net, system: str, bf16: bool):
     return fully_shard(model, sharding_strategy=system, unit_modules=[Block], mixed_precision=policy)
 
 
-def train_worker(rank, world_size, system, steps, bf16=False, precompute=True):
-    model = wrap(float8_net(), system, bf16)
+def train_worker(rank, world_size, system, steps, bf16=False, precompute=True, recipe="tensorwise"):
+    """The losses (averaged over ranks) and, for ours, the dtypes its all-gathers carried."""
+    model = wrap(float8_net(recipe=recipe), system, bf16)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(rank)
     x, y = torch.randn(16, WIDTH, generator=g), torch.randn(16, 1, generator=g)
@@ -77,21 +95,27 @@ def train_worker(rank, world_size, system, steps, bf16=False, precompute=True):
         loss.backward()
         opt.step()
         opt.zero_grad()
-        if precompute:
+        if precompute:                       # (rowwise: no float8 weight, nothing to precompute)
             torchao_float8.precompute_float8_dynamic_scale_for_fsdp(model)
         total = loss.detach().clone()
         dist.all_reduce(total)
         losses.append(total.item() / world_size)
-    return losses
+    gathered = model.comm_stats()["bytes_by_dtype"].get("all_gather", {}) if system not in ("ddp", "fsdp2") else None
+    return losses, gathered
 
 
-def _losses(system, world_size=2, steps=8, bf16=False, precompute=True):
-    return run_distributed(train_worker, world_size, system, steps, bf16, precompute)[0]
+def _losses(system, world_size=2, steps=8, bf16=False, precompute=True, recipe="tensorwise"):
+    return run_distributed(train_worker, world_size, system, steps, bf16, precompute, recipe)[0][0]
 
 
 @pytest.fixture(scope="module")
 def reference_losses():
     return {"ddp": _losses("ddp"), "fsdp2": _losses("fsdp2")}
+
+
+@functools.lru_cache(maxsize=None)
+def _ddp_losses(recipe: str) -> list:
+    return _losses("ddp", recipe=recipe)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -100,6 +124,18 @@ def test_every_strategy_trains_like_ddp_and_fsdp2(strategy, reference_losses):
     assert reference_losses["ddp"] == pytest.approx(reference_losses["fsdp2"], abs=1e-5)
     assert ours == pytest.approx(reference_losses["fsdp2"], abs=1e-4), (strategy, ours, reference_losses["fsdp2"])
     assert ours[-1] < 0.5 * ours[0]          # it trains (the stale-copy bug stayed near 0.4)
+
+
+@pytest.mark.parametrize("recipe", ROWWISE)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_rowwise_recipes_train_like_ddp_and_gather_no_float8(strategy, recipe):
+    """torchao's rowwise recipes, every strategy: DDP's losses with the same conversion bit for bit
+    (0.019 / 0.028 from the tensorwise conversion's within 8 steps), and every all-gather carries
+    the fp32 weights (the sharded strategies gather; no_shard does not)."""
+    (losses, gathered), _ = run_distributed(train_worker, 2, strategy, 8, False, True, recipe)
+    assert losses == _ddp_losses(recipe), (losses, _ddp_losses(recipe))
+    assert losses[-1] < 0.5 * losses[0], losses
+    assert list(gathered) == ([] if strategy == "no_shard" else ["torch.float32"]), gathered
 
 
 @pytest.mark.parametrize("strategy", ["optim_grads", "optim_grads_params"])
@@ -147,16 +183,18 @@ def test_whole_weights_cast_without_an_amax_all_reduce(strategy, world_size, pre
         assert counts["all_gather"] == (0, 0) or strategy != "no_shard", (rank, counts)
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise"] + ROWWISE)
 @pytest.mark.parametrize("strategy", ["no_shard", "optim_grads_params"])
-def test_bf16_compute_trains_like_fsdp2(strategy):
-    fsdp2 = _losses("fsdp2", steps=6, bf16=True)
-    ours = _losses(strategy, steps=6, bf16=True)
-    assert ours == pytest.approx(fsdp2, abs=1e-3), (ours, fsdp2)
+def test_bf16_compute_trains_like_fsdp2(strategy, recipe):
+    """bf16 compute: FSDP2's losses with the same conversion (rowwise: bit for bit, both gather bf16)."""
+    fsdp2 = _losses("fsdp2", steps=6, bf16=True, recipe=recipe)
+    ours = _losses(strategy, steps=6, bf16=True, recipe=recipe)
+    assert ours == pytest.approx(fsdp2, abs=1e-3 if recipe == "tensorwise" else 0, rel=0), (ours, fsdp2)
 
 
 # ---------------------------------------------------------------- what the module holds, what moves
-def holdings_worker(rank, world_size, strategy, convert):
-    model = wrap(float8_net(convert=convert), strategy, bf16=True)
+def holdings_worker(rank, world_size, strategy, convert, recipe="tensorwise"):
+    model = wrap(float8_net(convert=convert, recipe=recipe), strategy, bf16=True)
     weight = model.blocks[0].fc1.weight                   # between steps: the main parameter
     local = weight._local_tensor if hasattr(weight, "_local_tensor") else weight
     seen = {}
@@ -168,7 +206,13 @@ def holdings_worker(rank, world_size, strategy, convert):
     hook.remove()
     stats = model.comm_stats()
     return {"main": type(local).__name__, "main_dtype": local.dtype, **seen,
-            "gather_bytes": stats["all_gather"]["bytes"], "scales": stats.get("gather_scales")}
+            "gather_bytes": stats["all_gather"]["bytes"], "scales": stats.get("gather_scales"),
+            "gathered": stats["bytes_by_dtype"]["all_gather"]}
+
+
+@functools.lru_cache(maxsize=None)
+def _holdings(strategy: str, convert: bool, recipe: str = "tensorwise") -> dict:
+    return run_distributed(holdings_worker, 2, strategy, convert, recipe)[0]
 
 
 @pytest.mark.parametrize("strategy", ["optim_grads_params"])
@@ -176,8 +220,7 @@ def test_zero3_gathers_float8_bytes(strategy):
     """ZeRO-3 at dp 2: the float8 layers' weights travel as one byte per element where bf16 moves
     two, everything else alike; forward sees torchao's float8 tensor of the original shape, the
     optimizer steps fp32 main shards held in torchao's weight class."""
-    fp8 = run_distributed(holdings_worker, 2, strategy, True)[0]
-    bf16 = run_distributed(holdings_worker, 2, strategy, False)[0]
+    fp8, bf16 = _holdings(strategy, True), _holdings(strategy, False)
     assert (fp8["main"], fp8["main_dtype"]) == ("WeightWithDynamicFloat8CastTensor", torch.float32)
     assert (fp8["kind"], fp8["data_dtype"], fp8["dtype"]) == ("Float8TrainingTensor", torch.float8_e4m3fn, torch.bfloat16)
     assert fp8["shape"] == bf16["shape"] == (2 * WIDTH, WIDTH)
@@ -186,6 +229,24 @@ def test_zero3_gathers_float8_bytes(strategy):
     assert bf16["gather_bytes"] - fp8["gather_bytes"] == gathers * block_weights_bf16 // 2, (bf16, fp8)
     # one fp32 scale per float8 weight per gather; none without float8
     assert fp8["scales"] == {"count": gathers * 2, "bytes": gathers * 2 * 4} and bf16["scales"] is None
+    # comm_stats() says what travelled: the float8 weights' bytes (gathered as uint8) as float8
+    float8_bytes = gathers * block_weights_bf16 // 2
+    assert fp8["gathered"] == {"torch.float8_e4m3fn": float8_bytes,
+                               "torch.bfloat16": fp8["gather_bytes"] - float8_bytes}, fp8["gathered"]
+    assert bf16["gathered"] == {"torch.bfloat16": bf16["gather_bytes"]}, bf16["gathered"]
+
+
+@pytest.mark.parametrize("recipe", ROWWISE)
+def test_rowwise_recipes_gather_the_bf16_weights(recipe):
+    """ZeRO-3 at dp 2, bf16 compute: a rowwise recipe's weights are plain parameters, gathered in the
+    param_dtype exactly as an unconverted model's (same bytes, all bf16, no float8 scale); forward
+    sees the bf16 weight and torchao casts it inside the matmul."""
+    rowwise, bf16 = _holdings("optim_grads_params", True, recipe), _holdings("optim_grads_params", False)
+    assert (rowwise["main"], rowwise["main_dtype"]) == (bf16["main"], torch.float32), rowwise
+    assert (rowwise["kind"], rowwise["dtype"], rowwise["shape"]) == (bf16["kind"], torch.bfloat16, (2 * WIDTH, WIDTH))
+    assert rowwise["gather_bytes"] == bf16["gather_bytes"] > 0
+    assert rowwise["gathered"] == {"torch.bfloat16": bf16["gather_bytes"]}, rowwise["gathered"]
+    assert rowwise["scales"] is None
 
 
 def meta_worker(rank, world_size, strategy):
@@ -250,12 +311,12 @@ def test_unknown_tensor_subclass_is_refused_on_every_rank():
 
 
 # ---------------------------------------------------------------- torch.compile
-def compile_worker(rank, world_size, strategy, convert, where, steps):
+def compile_worker(rank, world_size, strategy, convert, where, steps, recipe="tensorwise"):
     import torch._dynamo
     from torch._dynamo.utils import counters
     torch._dynamo.reset()
     counters.clear()
-    model = float8_net(convert=convert)
+    model = float8_net(convert=convert, recipe=recipe)
     if where == "block":                  # torchtitan's recipe: compile each block, then shard
         for block in model.blocks:
             block.compile(backend="aot_eager")
@@ -279,16 +340,20 @@ def compile_worker(rank, world_size, strategy, convert, where, steps):
     return losses, breaks
 
 
-@pytest.mark.parametrize("strategy,convert,where", [("optim_grads_params", True, "block"),
-                                                    ("optim_grads", True, "block"),
-                                                    ("optim", True, "model"),
-                                                    ("no_shard", True, "model"),
-                                                    ("no_shard", False, "block")])
-def test_compiled_training_equals_eager(strategy, convert, where):
+@pytest.mark.parametrize("strategy,convert,where,recipe", [("optim_grads_params", True, "block", "tensorwise"),
+                                                           ("optim_grads", True, "block", "tensorwise"),
+                                                           ("optim", True, "model", "tensorwise"),
+                                                           ("no_shard", True, "model", "tensorwise"),
+                                                           ("no_shard", False, "block", "tensorwise"),
+                                                           ("optim_grads_params", True, "block", "rowwise"),
+                                                           ("optim_grads", True, "block", "rowwise_with_gw_hp"),
+                                                           ("optim", True, "model", "rowwise"),
+                                                           ("no_shard", True, "block", "rowwise_with_gw_hp")])
+def test_compiled_training_equals_eager(strategy, convert, where, recipe):
     """Compiled per block before wrapping, or as a whole after: the losses of eager, and no graph
     break after the first step (ours breaks only at its unit hooks, which run eagerly)."""
-    eager = run_distributed(train_worker, 2, strategy, 5, False, True)[0] if convert else None
-    losses, breaks = run_distributed(compile_worker, 2, strategy, convert, where, 5)[0]
+    eager = run_distributed(train_worker, 2, strategy, 5, False, True, recipe)[0][0] if convert else None
+    losses, breaks = run_distributed(compile_worker, 2, strategy, convert, where, 5, recipe)[0]
     if convert:
         assert losses == pytest.approx(eager, abs=1e-5)
     assert losses[-1] < 0.5 * losses[0]

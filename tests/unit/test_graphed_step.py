@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 
 from megatron_fsdp_v2 import STRATEGY_NAMES, fully_shard, make_graphed_step
+from megatron_fsdp_v2.comm import COLLECTIVES
 from megatron_fsdp_v2.graphs.watch import CaptureWatch
 from megatron_fsdp_v2.optim import Muon
 
@@ -232,3 +233,40 @@ def test_a_rebinding_to_another_shape_is_refused_naming_it():
     with pytest.raises(RuntimeError, match=r"bound Tensor._scale to a new tensor of \(2,\) torch.float32 on cpu, "
                                            r"where the captured kernels read one of \(\) torch.float32"):
         carry_rebound(before)
+
+
+class _NothingToReplay:
+    """Stands in for the CUDA graph a CPU can not capture: replaying it runs nothing, so only the
+    counting of a replay is left to see."""
+
+    def replay(self) -> None:
+        pass
+
+
+def _replayed_counts(rank, world):
+    model, optimizer = _build("optim_grads_params")
+    graphed = make_graphed_step(_step_fn(model, optimizer), model, optimizer, warmup_steps=1)
+    graphed(*_batches(rank)[0])                        # the warm-up: static inputs exist
+    model.reset_comm_stats()
+    before = graphed._comm_snapshot()
+    graphed._eager_step()                              # as the capture runs the step once
+    graphed._comm_counts = graphed._comm_delta(before)
+    one_step = model.comm_stats()
+    model.reset_comm_stats()
+    graphed.graph = _NothingToReplay()
+    graphed._replay()
+    graphed._replay()
+    return one_step, model.comm_stats()
+
+
+def test_each_replay_advances_comm_stats_by_the_captured_step_dtypes_included():
+    """make_graphed_step's replay counts what the captured step counted, per collective: calls,
+    bytes and bytes by dtype (docs/cuda_graphs.md: comm_stats() reads what an eager step would)."""
+    for one_step, replayed in run_distributed(_replayed_counts, 2):
+        assert one_step["all_gather"]["count"] > 0 and one_step["reduce_scatter"]["count"] > 0, one_step
+        assert one_step["bytes_by_dtype"]["all_gather"] == {"torch.float32": one_step["all_gather"]["bytes"]}
+        twice = {name: {"count": 2 * one_step[name]["count"], "bytes": 2 * one_step[name]["bytes"]}
+                 for name in COLLECTIVES}
+        assert {name: replayed[name] for name in COLLECTIVES} == twice, (one_step, replayed)
+        assert replayed["bytes_by_dtype"] == {name: {dtype: 2 * n for dtype, n in split.items()}
+                                              for name, split in one_step["bytes_by_dtype"].items()}

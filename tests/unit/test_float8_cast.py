@@ -86,7 +86,7 @@ def test_fused_cast_declines_what_it_does_not_cover(on_cpu, monkeypatch):
 def fused_train_worker(rank, world_size, system, steps, fused):
     float8_cast.DEVICE_TYPES = ("cuda", "cpu") if fused else ("cuda",)   # (the pool's workers are reused)
     float8_cast._compiled.clear()
-    losses = train_worker(rank, world_size, system, steps, bf16=True)
+    losses, _ = train_worker(rank, world_size, system, steps, bf16=True)
     return losses, "cast" in float8_cast._compiled      # whether the compiled cast ran
 
 
@@ -135,7 +135,7 @@ def fused_compile_worker(rank, world_size, strategy, where):
 @pytest.mark.parametrize("strategy,where", [("optim_grads_params", "model"), ("optim_grads", "block")])
 def test_fused_cast_under_a_compiled_model_trains_as_eager(strategy, where):
     from tests.unit.test_float8 import train_worker
-    eager = run_distributed(train_worker, 2, strategy, 4, False, True)[0]
+    eager = run_distributed(train_worker, 2, strategy, 4, False, True)[0][0]
     losses, compiled_cast = run_distributed(fused_compile_worker, 2, strategy, where)[0]
     assert compiled_cast
     assert losses == pytest.approx(eager, abs=1e-5), (losses, eager)

@@ -110,8 +110,7 @@ class CommStats:
         return CommStats({n: self.counts[n] - before.counts[n] for n in COLLECTIVES},
                          {n: self.nbytes[n] - before.nbytes[n] for n in COLLECTIVES},
                          {n: {dtype: part - before.dtype_bytes[n].get(dtype, 0)
-                              for dtype, part in self.dtype_bytes[n].items()
-                              if dtype not in before.dtype_bytes[n] or part != before.dtype_bytes[n][dtype]}
+                              for dtype, part in self.dtype_bytes[n].items() if part != before.dtype_bytes[n].get(dtype, 0)}
                           for n in COLLECTIVES},
                          self.scale_count - before.scale_count, self.scale_bytes - before.scale_bytes)
 

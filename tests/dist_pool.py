@@ -286,6 +286,9 @@ def _worker_main(rank: int, world_size: int, init_file: str, conn, stack_file: s
                          name="dist_pool-parent-watch").start()
         stacks = open(stack_file, "w")
         faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+        # a fatal signal (gloo's std::terminate is SIGABRT) writes every thread's Python stack to the
+        # same file, which the parent's death note quotes
+        faulthandler.enable(file=stacks, all_threads=True)
         torch.set_num_threads(1)
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
@@ -412,9 +415,16 @@ class _Pool:
         return replies, sorted(waiting.values())
 
     def _death_note(self, rank: int) -> str:
+        """How the worker of ``rank`` died, with the Python stacks faulthandler wrote at a fatal signal."""
         proc = self.procs[rank]
         proc.join(1.0)
-        return f"the worker process (pid {proc.pid}) died without a result, exit code {proc.exitcode}"
+        note = f"the worker process (pid {proc.pid}) died without a result, exit code {proc.exitcode}"
+        try:
+            with open(self.stack_files[rank]) as f:
+                stacks = f.read().strip()
+        except OSError:
+            stacks = ""
+        return f"{note}\nits Python stacks at the fatal signal:\n{stacks}" if stacks else note
 
     def _stacks(self, ranks: List[int]) -> str:
         """Python stacks of ``ranks`` (faulthandler on SIGUSR1), best effort."""

@@ -40,6 +40,14 @@ def _hang_on_rank_1(rank, world_size):
     return rank
 
 
+def _abort_on_rank_1(rank, world_size):
+    """Dies as gloo's std::terminate does (SIGABRT), inside a named function."""
+    if rank == 1:
+        os.abort()
+    dist.barrier()
+    return rank
+
+
 def _dirty(rank, world_size):
     """Changes process-wide state the pool must reset before the next case."""
     torch.set_default_dtype(torch.float64)
@@ -100,6 +108,15 @@ def test_worker_exception_names_the_rank_and_respawns():
     assert dist_pool.worker_pids(WORLD) is None                      # that pool is gone
     after = _pids()
     assert not set(after) & set(before)
+
+
+def test_a_rank_killed_by_a_signal_reports_its_python_stack():
+    with pytest.raises(DistributedWorkerError, match="exit code -6") as info:
+        run_distributed(_abort_on_rank_1, WORLD, timeout=60)
+    note = info.value.failures[1]          # rank 0 may also fail, its peer gone, before the pool is killed
+    assert "died without a result" in note and "Fatal Python error: Aborted" in note
+    assert "in _abort_on_rank_1" in note
+    assert [s for _, s, _ in run_distributed(_pid_and_sum, WORLD)] == [3.0, 3.0]
 
 
 def test_a_hang_times_out_and_the_next_call_gets_a_fresh_pool():

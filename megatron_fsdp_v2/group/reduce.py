@@ -92,9 +92,16 @@ class GroupReduce(GroupPart):
         # them): reduce straight into a new grad shard instead of a temporary beside it.
         into_shard = (group.strategy.grads_sharded and group.grads.live() is None and pack is None
                       and group.dtypes.grad == full.dtype and group.offloaded is None)
-        # (a new buffer is left uninitialized: the reduce-scatter writes every element of it)
-        shard_out = (group.ensure_grads(zeroed=False) if into_shard else torch.empty(
-            group.layout.shard_numel if pack is None else pack.chunk, dtype=full.dtype, device=group.device))
+        # ZeRO-1 reducing its own buffer: in place, into this rank's region of full_grad (NCCL's
+        # in-place reduce-scatter: the output is the input's slice at rank * shard size)
+        in_place = (not group.strategy.grads_sharded and full is group.full_grad and group.stashed_mean is None
+                    and group.offloaded is None)
+        if in_place:
+            start, end = group.layout.shard_range(group.comm.rank)
+            shard_out = full[start:end]
+        else:    # (a new buffer is left uninitialized: the reduce-scatter writes every element of it)
+            shard_out = (group.ensure_grads(zeroed=False) if into_shard else torch.empty(
+                group.layout.shard_numel if pack is None else pack.chunk, dtype=full.dtype, device=group.device))
         work = group.comm.reduce_scatter(shard_out, full, async_op=True, label=f"grads of {group.name}",
                                         splits=None if pack is None else pack.splits)
 
@@ -107,6 +114,8 @@ class GroupReduce(GroupPart):
                 elif into_shard:                    # as the add in _land_shard would give it: x * (1 / f)
                     if divide_factor != 1:          # one rank (or a sum asked for): x * 1 is x, no pass over it
                         shard_out.mul_(1.0 / divide_factor)
+                elif in_place:
+                    self._settle_own_region(divide_factor)
                 else:
                     self._land_shard(shard_out if pack is None else self._unpacked(pack, shard_out), divide_factor)
         return work, on_complete
@@ -121,13 +130,7 @@ class GroupReduce(GroupPart):
             shard = group.ensure_grads()
             shard.add_(shard_out.to(shard.dtype), alpha=1.0 / divide_factor)
         else:
-            # Other ranks' regions hold this rank's unreduced sums, which nobody reads;
-            # zero them so an optimizer that zeroes only its own .grad views
-            # (zero_grad(set_to_none=False)) starts the next step from a clean buffer.
-            start, end = group.layout.shard_range(group.comm.rank)
-            group.full_grad[:start].zero_()
-            group.full_grad[end:].zero_()
-            own = group.full_grad[start:end]
+            own = self._zero_other_regions()
             if group.stashed_mean is None:
                 own.copy_(shard_out)
                 if divide_factor != 1:
@@ -138,6 +141,25 @@ class GroupReduce(GroupPart):
             group.own_region_holds_mean = True
             if group.offloaded is not None:
                 group.offloaded.land_grads(own, 1.0, overwrite=True)
+
+    def _settle_own_region(self, divide_factor: float) -> None:
+        """ZeRO-1 after an in-place reduce-scatter: this rank's region holds the sum; make it the mean."""
+        own = self._zero_other_regions()
+        if divide_factor != 1:
+            own.div_(divide_factor)
+        self.group.own_region_holds_mean = True
+
+    def _zero_other_regions(self) -> torch.Tensor:
+        """ZeRO-1: zero the other ranks' regions of ``full_grad`` and return this rank's.
+
+        They hold this rank's unreduced sums, which nobody reads; zeroed, an optimizer that zeroes
+        only its own .grad views (zero_grad(set_to_none=False)) starts the next step from a clean
+        buffer."""
+        group = self.group
+        start, end = group.layout.shard_range(group.comm.rank)
+        group.full_grad[:start].zero_()
+        group.full_grad[end:].zero_()
+        return group.full_grad[start:end]
 
     def reduce_across_replicas(self, replicas) -> None:
         """Hybrid sharding: average the reduced gradients across the replicas of this rank's shard,

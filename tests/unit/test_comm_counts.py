@@ -97,6 +97,47 @@ def test_optim_issues_nothing_before_the_last_microbatch():
     assert phases[(1, 3, "backward")]["reduce_scatter"][0] == 4
 
 
+def reduce_outputs_worker(rank, world_size, strategy):
+    """Where step 1's reduce-scatters write: (output's offset into the input's storage, or None
+    for a separate buffer, in elements; the shard's size) per call, and the trained weights."""
+    from megatron_fsdp_v2.comm import collectives
+
+    seen = []
+    original = collectives.reduce_scatter_single
+
+    def recording(out, full, **kwargs):
+        same = out.untyped_storage().data_ptr() == full.untyped_storage().data_ptr()
+        seen.append((out.storage_offset() - full.storage_offset() if same else None, out.numel()))
+        return original(out, full, **kwargs)
+
+    collectives.reduce_scatter_single = recording
+    try:
+        torch.manual_seed(0)
+        model = fully_shard(UnevenNet(depth=3), sharding_strategy=strategy, unit_modules=[Block])
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for step in range(2):
+            for x, y in make_batches(step, rank, 1):
+                loss_fn(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        collectives.reduce_scatter_single = original
+    return seen, model.full_state_dict()
+
+
+def test_optim_reduces_in_place_into_its_own_region_of_the_gradient_buffer():
+    """ZeRO-1 reduce-scatters its whole gradient buffer into this rank's region of it (no shard-size
+    temporary and no copy after), and trains as ZeRO-2, which reduces into a separate shard."""
+    optim = run_distributed(reduce_outputs_worker, 2, "optim")
+    for rank, (seen, _) in enumerate(optim):
+        assert len(seen) == 2 * 4, seen                     # 2 steps x 4 groups (3 units and the root)
+        assert all(offset == rank * shard for offset, shard in seen), seen
+    zero2 = run_distributed(reduce_outputs_worker, 2, "optim_grads")
+    assert all(offset is None for offset, _ in zero2[0][0])
+    for name, tensor in optim[0][1].items():
+        assert torch.equal(tensor, zero2[0][1][name]), name
+
+
 def test_bytes_moved_are_the_padded_buffers_at_dp4():
     """Each collective moves exactly the layout's padded buffers: every parameter cut into dp pieces
     of ``ceil(rows / dp)`` rows (torch.chunk's, as FSDP2 pads; < 0.3% on LLM shapes at dp <= 256:

@@ -96,6 +96,7 @@ from megatron_fsdp_v2.megatron import (FullyShardedDataParallel, check_optimizer
                                        get_optimizer, read_optimizer_layout)
 from megatron_fsdp_v2.megatron.checkpoint.checkpoint_format import (  # noqa: E402
     CORE_DCP, FSDP_DTENSOR, TORCH_DIST, detect_checkpoint_format)
+from megatron_fsdp_v2.megatron.wrap_settings import megatron_adam_kernel  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -364,13 +365,13 @@ def data_parallel_class(args: argparse.Namespace) -> type:
 
 def auto_strategy_from_args(args: argparse.Namespace) -> AutoStrategy:
     """What ``auto`` plans for: Megatron's optimizer (``adam`` keeps two states; ``sgd`` one with
-    ``--sgd-momentum``), its micro-batches per step and ``--activation-reserve-gib``."""
+    ``--sgd-momentum``) and its kernel, its micro-batches per step and ``--activation-reserve-gib``."""
     optimizer = {"adam": "adam", "sgd": "sgd_momentum" if getattr(args, "sgd_momentum", 0) else "sgd"}.get(args.optimizer)
     if optimizer is None:
         raise ValueError(f"--data-parallel-sharding-strategy auto plans the adam and sgd optimizers, got --optimizer "
                          f"{args.optimizer!r}; pick a strategy.")
     return AutoStrategy(activation_reserve_bytes=getattr(args, "activation_reserve_bytes", 0),
-                        optimizer=optimizer,
+                        optimizer=optimizer, optimizer_kernel=megatron_adam_kernel(),
                         micro_batches=max(1, args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)))
 
 

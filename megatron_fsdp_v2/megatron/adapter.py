@@ -109,7 +109,7 @@ from .checkpoint.dist_checkpoint import (install_model_checkpointing, megatron_l
                               model_values_from_loaded)
 from .settings import cuda_graph_mode
 from .wrap_settings import (_checked_strategy, _mixed_precision, _parallel_sizes, _unsupported_settings,  # noqa: F401
-                            offload_policy)
+                            megatron_adam_kernel, offload_policy)
 from ..plan.resolve import AutoStrategy
 
 logger = logging.getLogger(__name__)
@@ -169,7 +169,8 @@ class FullyShardedDataParallel(DistributedDataParallel):
         device: optional check that every parameter already lives there (nothing is moved).
         auto_strategy: with ``data_parallel_sharding_strategy="auto"`` (``--data-parallel-sharding-strategy
             auto`` through examples/pretrain_gpt.py): the budget, optimizer and micro-batches
-            ``fully_shard(sharding_strategy="auto")`` plans for (default ``AutoStrategy()``).
+            ``fully_shard(sharding_strategy="auto")`` plans for (default ``AutoStrategy()`` with the
+            kernel of the Adam Megatron builds: ``megatron_adam_kernel()``).
     """
 
     cuda_graph_mode: bool      # Megatron's full-iteration CUDA graph: the engine runs capture_safe
@@ -209,8 +210,10 @@ class FullyShardedDataParallel(DistributedDataParallel):
         tied_name = tied_embedding_name(module, unwrapped)
         has_experts = any(is_expert_parameter(n, p) for n, p in module.named_parameters())
         expert_group = expert_data_parallel_group(pg_collection) if has_experts else None
+        if auto and auto_strategy is None:
+            auto_strategy = AutoStrategy(optimizer_kernel=megatron_adam_kernel())
         fully_shard(module, sharding_strategy="auto" if auto else strategy, unit_modules=units,
-                    auto_strategy=(auto_strategy or AutoStrategy()) if auto else None,
+                    auto_strategy=auto_strategy if auto else None,
                     expert_process_group=expert_group, expert_params=is_expert_parameter if has_experts else None,
                     process_group=shard_group if replica_group is None else (replica_group, shard_group),
                     outer_sharding_strategy=getattr(ddp_config, "outer_dp_sharding_strategy", "no_shard"),

@@ -6,6 +6,7 @@ collective, so every rank raises alike."""
 
 from __future__ import annotations
 
+import importlib.util
 from typing import List, Optional
 
 import torch
@@ -20,7 +21,16 @@ from ..offload.policy import OffloadPolicy
 from ..strategy import STRATEGY_NAMES, get_strategy
 from .settings import check_ddp_config, main_params_dtype, transformer_engine_installed
 
-__all__ = ["offload_policy"]
+__all__ = ["megatron_adam_kernel", "offload_policy"]
+
+
+def megatron_adam_kernel() -> str:
+    """The kernel of the Adam Megatron's ``get_megatron_optimizer`` builds, for the plan
+    (plan/optimizer_step.py): Transformer Engine's or Apex's FusedAdam, updating in place
+    (``"fused"``), when either is installed (megatron/core/optimizer/__init__.py tries them in that
+    order), else torch's AdamW with its default kernel, ``"foreach"`` on CUDA."""
+    fused = any(importlib.util.find_spec(name) is not None for name in ("transformer_engine", "apex"))
+    return "fused" if fused else "foreach"
 
 
 def _group_size(group) -> int:

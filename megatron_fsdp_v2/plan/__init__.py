@@ -4,7 +4,7 @@
 Files: groups.py (the groups fully_shard would build, from its own code), memory.py (bytes kept
 per kind, device and host), offload.py (which groups go to the host, the copies per step),
 schedule.py (one step's temporaries and collectives), phases.py (our bytes where activations
-meet them, the peak with activations), optimizer_step.py (what torch's foreach step allocates),
+meet them, the peak with activations), optimizer_step.py (what the optimizer kernel's step allocates),
 report.py (records, table),
 auto.py (the choice), resolve.py (``AutoStrategy``, the budget ranks agree on), planner.py
 (``plan``), __main__.py (``python -m megatron_fsdp_v2.plan``).

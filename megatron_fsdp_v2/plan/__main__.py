@@ -30,6 +30,7 @@ import torch
 from ..mixed_precision import MixedPrecisionPolicy
 from ..strategy import STRATEGY_NAMES
 from .memory import OPTIMIZER_STATE_COPIES
+from .optimizer_step import STEP_KERNELS
 from .compact import compact_table
 from .planner import plan
 from ..notices import notices_summarized
@@ -81,6 +82,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="also plan hybrid sharding OUTERxINNER (repeatable)")
     g.add_argument("--strategies", default=",".join(STRATEGY_NAMES))
     g.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATE_COPIES), default="adam")
+    g.add_argument("--optimizer-kernel", choices=STEP_KERNELS, default="foreach",
+                   help="the optimizer's kernel, whose step temporaries are fitted too: foreach (torch's default "
+                        "on CUDA), fused (fused=True; Megatron's TE or Apex FusedAdam) or single (foreach=False)")
     g.add_argument("--micro-batches", type=int, default=1)
     g.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     g.add_argument("--reduce-root-per-child", action="store_true")
@@ -156,7 +160,8 @@ def _print_plan(args: argparse.Namespace) -> int:
                   micro_batches=args.micro_batches, unit_modules=units, device=args.device,
                   reduce_root_per_child=args.reduce_root_per_child,
                   broadcast_buffers=bool(args.model), budget_bytes=budget,
-                  offload_fractions=fractions, activation_bytes=activations)
+                  offload_fractions=fractions, activation_bytes=activations,
+                  optimizer_kernel=args.optimizer_kernel)
     params = sum(p.numel() for p in model.parameters())
     if args.json:
         print(json.dumps({"model": type(model).__name__, "parameters": params,

@@ -5,7 +5,8 @@ reduce-scatter of the same buffer does, so DDP and ZeRO-1 tie, as they do on the
 candidates (``plan(..., offload_fractions=...)``) add what crosses the host link per step, so
 offload is chosen only where it lets a plan fit or saves more network bytes than it copies.
 Planned memory is ``fit_bytes``: the peak with activations when ``activation_bytes`` was given,
-else the kept bytes plus our temporaries' peak. Ties (bytes within ``PADDING_TIE`` of the fewest) go to
+else the kept bytes plus our temporaries' peak, and at least the optimizer step's peak (its
+kernel's temporaries on the kept bytes). Ties (bytes within ``PADDING_TIE`` of the fewest) go to
 the smaller planned peak, then to the order of the strategy table (less sharding first). Every
 input is the same on every rank (the model, checked by ``fully_shard``; the budget, agreed on
 by the caller), so every rank chooses the same.
@@ -41,7 +42,9 @@ def choose(candidates: list, budget_bytes: int) -> tuple[StrategyPlan, "Strategy
             f"budget_bytes: no sharding plan fits {format_bytes(budget_bytes)} ({budget_bytes} bytes) per rank; "
             f"the smallest is {smallest.name} at {format_bytes(smallest.fit_bytes)} ({smallest.fit_bytes} bytes: "
             f"{format_bytes(smallest.persistent_bytes)} kept + {format_bytes(smallest.temporaries['peak'])} "
-            f"temporaries{activations}). Use more ranks, a smaller model or a larger budget (less activation reserve).")
+            f"temporaries{activations}; its {smallest.optimizer_kernel} optimizer step "
+            f"{format_bytes(smallest.step_peak_bytes)}). Use more ranks, a smaller model or a larger budget "
+            f"(less activation reserve).")
     order = {id(c): i for i, c in enumerate(candidates)}
     fewest = min(c.moved_bytes for c in fitting)
     ranked = sorted(fitting, key=lambda c: (c.moved_bytes > fewest * (1 + PADDING_TIE), c.moved_bytes

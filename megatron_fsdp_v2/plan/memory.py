@@ -14,7 +14,8 @@ from __future__ import annotations
 from ..strategy import ShardingStrategy
 from .groups import PlannedGroup
 
-__all__ = ["HOST_KINDS", "OPTIMIZER_STATE_COPIES", "PERSISTENT_KINDS", "rank_persistent_bytes", "rank_piece_numels"]
+__all__ = ["HOST_KINDS", "OPTIMIZER_STATE_COPIES", "PERSISTENT_KINDS", "rank_persistent_bytes", "rank_piece_numels",
+           "rank_pieces"]
 
 #: Optimizer-state tensors per parameter element, in the main-weight dtype.
 OPTIMIZER_STATE_COPIES = {"adam": 2, "adamw": 2, "sgd": 0, "sgd_momentum": 1}
@@ -23,12 +24,17 @@ PERSISTENT_KINDS = ("model_weights", "main_weights", "grads", "optimizer_state")
 HOST_KINDS = ("host_main_weights", "host_grads", "host_grad_staging", "host_optimizer_state")
 
 
-def rank_piece_numels(group: PlannedGroup, strategy: ShardingStrategy, rank: int) -> int:
-    """Elements of this rank's main-weight pieces (what the optimizer holds state for)."""
+def rank_pieces(group: PlannedGroup, strategy: ShardingStrategy, rank: int) -> list[int]:
+    """Elements of this rank's main-weight piece of each parameter (what the optimizer steps)."""
     layout = group.layout
     if not strategy.optim_sharded:
-        return sum(layout.numels)
-    return sum(layout.shard_slice(index, rank).numel for index in range(len(layout.numels)))
+        return list(layout.numels)
+    return [layout.shard_slice(index, rank).numel for index in range(len(layout.numels))]
+
+
+def rank_piece_numels(group: PlannedGroup, strategy: ShardingStrategy, rank: int) -> int:
+    """Elements of this rank's main-weight pieces (what the optimizer holds state for)."""
+    return sum(rank_pieces(group, strategy, rank))
 
 
 def _add_group(out: dict, group: PlannedGroup, strategy: ShardingStrategy, rank: int, copies: int,

@@ -17,8 +17,8 @@ gradients (``P0``; not with ``persistent_grads``) and its activations meet three
   gradients held until their group reduces are not added: autograd makes them in the unwrapped
   run too. With several micro-batches the later ones find every gradient already there;
 * ``step``: every kept byte, no activations, plus offload's upload copies (plan/offload.py): the
-  step of a kernel that updates in place (fused Adam). torch's default foreach kernel allocates
-  ``foreach_step`` more, not added here (plan/optimizer_step.py, [Note: the optimizer step's
+  step of a kernel that updates in place (fused Adam). The foreach and single-tensor kernels allocate
+  more, fitted apart (``step_peak_bytes``: plan/optimizer_step.py, [Note: the optimizer step's
   temporaries]).
 
 An offloaded DDP/ZeRO-1 group accumulates on the device and lands its gradients on the host at

@@ -21,7 +21,7 @@ from .auto import choose
 from .groups import planned_units
 from .memory import OPTIMIZER_STATE_COPIES, rank_persistent_bytes
 from .offload import backward_upload_transient, check_offload, host_transfers, offloaded_groups, upload_transients
-from .optimizer_step import foreach_step_bytes
+from .optimizer_step import check_step_kernel, step_temporary_bytes
 from .phases import check_activation_bytes, step_phases
 from .report import Plan, StrategyPlan
 from ..wrap.options import WrapOptions
@@ -78,6 +78,7 @@ class _Job:
     """What every candidate of one ``plan`` call shares."""
 
     optimizer: str
+    optimizer_kernel: str
     micro_batches: int
     persistent_grads: bool
     activation_bytes: Optional[int]
@@ -105,14 +106,16 @@ def _candidate(units: list, strategy: ShardingStrategy, shape, world_size: int, 
     phases = step_phases(units, strategy, inner, max(ranks, key=lambda r: r["total"]), k, job.persistent_grads,
                          upload_transients(groups, offloaded, strategy), accumulation,
                          backward_upload_transient(groups, offloaded, strategy, root_groups, job.uploads_in_backward))
-    foreach_step = tuple(foreach_step_bytes(groups, strategy, r, job.optimizer, offloaded) for r in range(inner))
+    kernel_bytes = tuple(step_temporary_bytes(groups, strategy, r, job.optimizer, job.optimizer_kernel, offloaded)
+                         for r in range(inner))
     return StrategyPlan(strategy.name, (outer, inner), ranks, temporaries, comm, wire, fraction,
-                        host_transfers(groups, offloaded, strategy, k), phases, job.activation_bytes, foreach_step)
+                        host_transfers(groups, offloaded, strategy, k), phases, job.activation_bytes,
+                        job.optimizer_kernel, kernel_bytes)
 
 
 def plan_candidates(module: nn.Module, strategies, world_size: int, hybrid_shape, options: WrapOptions, *,
                     optimizer: str, micro_batches: int, device: str, offload_fractions=None,
-                    activation_bytes: Optional[int] = None) -> list[StrategyPlan]:
+                    activation_bytes: Optional[int] = None, optimizer_kernel: str = "foreach") -> list[StrategyPlan]:
     """One ``StrategyPlan`` per (hybrid shape, strategy, offload fraction), in that order; the
     wrap settings are ``fully_shard``'s (``options``: a ``WrapOptions``, its strategy unused)."""
     offload = options.offload
@@ -123,7 +126,8 @@ def plan_candidates(module: nn.Module, strategies, world_size: int, hybrid_shape
     fractions = check_offload(offload, offload_fractions)
     if not isinstance(options.persistent_grads, bool):
         raise TypeError(f"persistent_grads must be True or False, got {options.persistent_grads!r}.")
-    job = _Job(optimizer, micro_batches, options.persistent_grads, check_activation_bytes(activation_bytes),
+    job = _Job(optimizer, check_step_kernel(optimizer_kernel), micro_batches, options.persistent_grads,
+               check_activation_bytes(activation_bytes),
                _buffer_bytes(module) if options.broadcast_buffers else [],
                isinstance(offload, OffloadPolicy) and offload.step_in_backward,
                options.reduce_root_per_child and not (isinstance(offload, OffloadPolicy) and offload.release_after_gather))
@@ -150,7 +154,8 @@ def plan(module: nn.Module, strategies: Union[str, Sequence] = STRATEGY_NAMES, *
          reduce_root_per_child: bool = False, broadcast_buffers: bool = True,
          budget_bytes: Optional[int] = None, offload: Optional[OffloadPolicy] = None,
          offload_fractions: Optional[Sequence[float]] = None, activation_bytes: Optional[int] = None,
-         persistent_grads: bool = False, reshard_after_forward: Optional[bool] = True) -> Plan:
+         persistent_grads: bool = False, reshard_after_forward: Optional[bool] = True,
+         optimizer_kernel: str = "foreach") -> Plan:
     """Per-rank memory and communication of one training step under each strategy, before launch.
 
     Args:
@@ -164,6 +169,10 @@ def plan(module: nn.Module, strategies: Union[str, Sequence] = STRATEGY_NAMES, *
         optimizer: ``"adam"`` / ``"adamw"`` (2 state tensors per element), ``"sgd_momentum"`` (1)
             or ``"sgd"`` (torch's default momentum 0: none).
         micro_batches: per optimizer step (the first ones under ``no_sync()``).
+        optimizer_kernel: the optimizer's kernel, whose step temporaries must fit too:
+            ``"foreach"`` (torch's default on CUDA: one main-dtype copy of the rank's pieces for
+            Adam), ``"fused"`` (``fused=True``: none) or ``"single"`` (``foreach=False``: a few
+            copies of the largest piece); plan/optimizer_step.py.
         device: ``"cuda"`` (parameters aligned to 64 elements, as ``fully_shard`` does on GPUs) or
             ``"cpu"``.
         budget_bytes: if given, ``Plan.chosen`` is the candidate fitting it (``fit_bytes``) that
@@ -190,8 +199,8 @@ def plan(module: nn.Module, strategies: Union[str, Sequence] = STRATEGY_NAMES, *
                           reshard_after_forward=reshard_after_forward)
     candidates = plan_candidates(module, strategies, world_size, hybrid_shape, options, optimizer=optimizer,
                                  micro_batches=micro_batches, device=device, offload_fractions=offload_fractions,
-                                 activation_bytes=activation_bytes)
+                                 activation_bytes=activation_bytes, optimizer_kernel=optimizer_kernel)
     chosen = runner_up = None
     if budget_bytes is not None:
         chosen, runner_up = choose(candidates, budget_bytes)
-    return Plan(tuple(candidates), micro_batches, optimizer, budget_bytes, chosen, runner_up)
+    return Plan(tuple(candidates), micro_batches, optimizer, budget_bytes, chosen, runner_up, optimizer_kernel)

@@ -41,10 +41,12 @@ class StrategyPlan:
         phases: our device bytes at ``forward_end``, ``last_unit_backward`` and ``step``
             (plan/phases.py, [Note: the peak with activations]).
         activation_bytes: the activation peak given to ``plan`` (None: not given).
-        foreach_step: per shard rank, the device bytes torch's default (foreach) Adam / AdamW
-            ``optimizer.step()`` allocates beyond the kept bytes (plan/optimizer_step.py, [Note: the
-            optimizer step's temporaries]); in neither ``phases["step"]`` nor the peaks, which are
-            a fused (in-place) step's.
+        optimizer_kernel: the optimizer kernel planned for: ``"foreach"`` (torch's default on
+            CUDA), ``"fused"`` or ``"single"``.
+        step_temporaries: per shard rank, the device bytes that kernel's ``optimizer.step()``
+            allocates beyond the kept bytes (plan/optimizer_step.py, [Note: the optimizer step's
+            temporaries]); not in ``phases["step"]`` nor ``peak_bytes``, in ``step_peak_bytes``
+            and so in ``fit_bytes``.
 
     Every number is allocated bytes (tensor sizes), not reserved memory: docs/planning.md,
     "Allocated, not reserved", says what the caching allocator adds.
@@ -60,7 +62,8 @@ class StrategyPlan:
     transfers: dict = field(default_factory=dict)
     phases: dict = field(default_factory=dict)
     activation_bytes: Optional[int] = None
-    foreach_step: tuple = ()
+    optimizer_kernel: str = "foreach"
+    step_temporaries: tuple = ()
 
     @property
     def persistent_bytes(self) -> int:
@@ -82,15 +85,21 @@ class StrategyPlan:
         return peak_with_activations(self.phases, self.peak_bytes, self.activation_bytes)
 
     @property
-    def fit_bytes(self) -> int:
-        """What must fit the budget: ``peak_with_activations`` if activations were given, else ``peak_bytes``."""
-        with_activations = self.peak_with_activations
-        return self.peak_bytes if with_activations is None else with_activations
+    def step_temporaries_bytes(self) -> int:
+        """The largest rank's ``step_temporaries``."""
+        return max(self.step_temporaries, default=0)
 
     @property
-    def foreach_step_bytes(self) -> int:
-        """The largest rank's ``foreach_step``."""
-        return max(self.foreach_step, default=0)
+    def step_peak_bytes(self) -> int:
+        """The optimizer step's peak: the kept bytes at the step plus the kernel's temporaries."""
+        return self.phases.get("step", self.persistent_bytes) + self.step_temporaries_bytes
+
+    @property
+    def fit_bytes(self) -> int:
+        """What must fit the budget: ``peak_with_activations`` if activations were given, else
+        ``peak_bytes``; and the optimizer step's peak."""
+        with_activations = self.peak_with_activations
+        return max(self.peak_bytes if with_activations is None else with_activations, self.step_peak_bytes)
 
     @property
     def host_bytes(self) -> int:
@@ -118,7 +127,7 @@ class StrategyPlan:
                                ("model_weights", "main_weights", "grads", "optimizer_state", "padding", "total")]
         cells += [format_bytes(self.temporaries[k]) for k in
                   ("gathered_weights", "reduce_inputs", "held_grads", "trace_pool", "peak")]
-        cells += [format_bytes(self.peak_bytes), format_bytes(self.foreach_step_bytes)]
+        cells += [format_bytes(self.peak_bytes), format_bytes(self.step_temporaries_bytes)]
         for name in COLLECTIVES[:3]:
             cells.append(f"{self.comm[name]['count']} / {format_bytes(self.comm[name]['bytes'])}")
         outer = self.comm.get("across_replicas")
@@ -136,20 +145,22 @@ class StrategyPlan:
                 "offload_fraction": self.offload_fraction, "ranks": [dict(r) for r in self.ranks],
                 "temporaries": dict(self.temporaries), "comm": self.comm, "wire_bytes": self.wire_bytes,
                 "transfers": self.transfers, "phases": dict(self.phases),
-                "activation_bytes": self.activation_bytes, "foreach_step": list(self.foreach_step),
-                "foreach_step_bytes": self.foreach_step_bytes, "persistent_bytes": self.persistent_bytes,
+                "activation_bytes": self.activation_bytes, "optimizer_kernel": self.optimizer_kernel,
+                "step_temporaries": list(self.step_temporaries),
+                "step_temporaries_bytes": self.step_temporaries_bytes, "persistent_bytes": self.persistent_bytes,
                 "peak_bytes": self.peak_bytes, "peak_with_activations": self.peak_with_activations,
+                "step_peak_bytes": self.step_peak_bytes, "fit_bytes": self.fit_bytes,
                 "host_bytes": self.host_bytes, "moved_bytes": self.moved_bytes}
 
 
 #: What the table's bytes leave out of reserved memory (docs/planning.md, "Allocated, not reserved").
 RESERVED_LEGEND = ("bytes allocated (tensor sizes), not reserved: not in them are the caching allocator's rounding "
                    "and cached free blocks, the gradient pool holding grads' bytes after zero_grad frees them, "
-                   "NCCL's buffers, the CUDA context, CUDA graphs' pools; foreach step: what torch's default "
-                   "(foreach) Adam step adds to the kept bytes, not in peak (fused: nothing); docs/planning.md")
+                   "NCCL's buffers, the CUDA context, CUDA graphs' pools; step temps: what the optimizer kernel's "
+                   "step adds to the kept bytes (not in peak; fitted with them); docs/planning.md")
 
 HEADER = ["strategy", "weights", "main", "grads", "optimizer", "(padding)", "kept", "gathered", "reduce in",
-          "held grads", "trace pool", "temp peak", "peak", "foreach step", "all-gather", "reduce-scatter", "all-reduce",
+          "held grads", "trace pool", "temp peak", "peak", "step temps", "all-gather", "reduce-scatter", "all-reduce",
           "outer all-reduce", "sent/rank", "host kept", "host link"]
 
 
@@ -166,6 +177,7 @@ class Plan:
     budget_bytes: Optional[int] = None
     chosen: Optional[StrategyPlan] = None
     runner_up: Optional[StrategyPlan] = None
+    optimizer_kernel: str = "foreach"
 
     def __getitem__(self, name: str) -> StrategyPlan:
         for candidate in self.candidates:
@@ -176,7 +188,7 @@ class Plan:
     def as_dict(self) -> dict:
         """The plan as plain data (``python -m megatron_fsdp_v2.plan --json``)."""
         return {"micro_batches": self.micro_batches, "optimizer": self.optimizer,
-                "budget_bytes": self.budget_bytes,
+                "optimizer_kernel": self.optimizer_kernel, "budget_bytes": self.budget_bytes,
                 "chosen": self.chosen.name if self.chosen else None,
                 "runner_up": self.runner_up.name if self.runner_up else None,
                 "candidates": [c.as_dict() for c in self.candidates]}
@@ -188,7 +200,8 @@ class Plan:
         lines = ["  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(r, widths)))
                  for r in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
-        lines.append(f"per rank, one step of {self.micro_batches} micro-batch(es), {self.optimizer}; "
+        lines.append(f"per rank, one step of {self.micro_batches} micro-batch(es), {self.optimizer} "
+                     f"({self.optimizer_kernel} kernel); "
                      "collectives: calls / bytes covered; sent/rank: ring algorithms; host link: offload's "
                      "copies per step; " + ("peak +act: with the given activations"
                                             if with_activations else "activations not included"))

@@ -23,6 +23,7 @@ import torch.nn as nn
 from ..strategy import STRATEGY_NAMES, ShardingStrategy, get_strategy
 from .auto import choose
 from .memory import OPTIMIZER_STATE_COPIES
+from .optimizer_step import check_step_kernel
 from .planner import plan_candidates
 from .report import format_bytes
 
@@ -42,6 +43,8 @@ class AutoStrategy:
             ``budget_bytes=None`` only).
         optimizer: ``"adam"``, ``"adamw"``, ``"sgd_momentum"`` or ``"sgd"`` (its state is planned).
         micro_batches: per optimizer step.
+        optimizer_kernel: ``"foreach"`` (torch's default on CUDA), ``"fused"`` or ``"single"``:
+            the optimizer step's temporaries must fit too (plan/optimizer_step.py).
         activation_bytes: the model's activation peak, measured without any wrapper: plans are
             then compared by their peak with activations (``plan``'s ``activation_bytes``), so
             ``activation_reserve_bytes`` can be 0.
@@ -52,6 +55,7 @@ class AutoStrategy:
     optimizer: str = "adam"
     micro_batches: int = 1
     activation_bytes: Optional[int] = None
+    optimizer_kernel: str = "foreach"
 
     def __post_init__(self) -> None:
         for name in ("budget_bytes", "activation_reserve_bytes", "micro_batches", "activation_bytes"):
@@ -64,6 +68,7 @@ class AutoStrategy:
         if self.optimizer not in OPTIMIZER_STATE_COPIES:
             raise ValueError(f"AutoStrategy.optimizer must be one of {list(OPTIMIZER_STATE_COPIES)}, "
                              f"got {self.optimizer!r}.")
+        check_step_kernel(self.optimizer_kernel, "AutoStrategy.optimizer_kernel")
 
 
 def device_total_memory(device: torch.device) -> int:
@@ -102,7 +107,7 @@ def resolve_auto_strategy(module: nn.Module, options, comm, replicas, device: to
     world = comm.size * (1 if replicas is None else replicas.size)
     candidates = plan_candidates(module, STRATEGY_NAMES, world, shape, options, optimizer=auto.optimizer,
                                  micro_batches=auto.micro_batches, device=device.type,
-                                 activation_bytes=auto.activation_bytes)
+                                 activation_bytes=auto.activation_bytes, optimizer_kernel=auto.optimizer_kernel)
     chosen, runner_up = choose(candidates, budget)
     announce_choice(chosen, runner_up, budget, comm.rank == 0 and (replicas is None or replicas.rank == 0))
     return get_strategy(chosen.strategy)

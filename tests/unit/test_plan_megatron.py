@@ -27,6 +27,7 @@ def _wrap_auto(world_size, reserve_bytes):
     from examples import pretrain_gpt
     from megatron_fsdp_v2 import plan
     from megatron_fsdp_v2.megatron.adapter import _mixed_precision
+    from megatron_fsdp_v2.megatron.wrap_settings import megatron_adam_kernel
     from megatron_fsdp_v2.plan.resolve import device_total_memory
     from tests.megatron_cpu import build_tiny_gpt
 
@@ -38,12 +39,12 @@ def _wrap_auto(world_size, reserve_bytes):
     planned = plan(model, world_size=world_size, unit_modules=[TransformerLayer], device="cpu",
                    mixed_precision=_mixed_precision(config, ddp_config), optimizer="adam",
                    micro_batches=args.global_batch_size // (args.micro_batch_size * world_size),
-                   broadcast_buffers=False, budget_bytes=budget)
+                   broadcast_buffers=False, budget_bytes=budget, optimizer_kernel=megatron_adam_kernel())
     with pretrain_gpt.use_fully_sharded_data_parallel(args):
         (chunk,) = training.wrap_model_chunks_with_ddp([model], config, ddp_config, DP=training.DDP,
                                                       pg_collection=None, bucket_sizes=[None],
                                                       disable_bucketing_per_chunk=[False])
-    peaks = {c.strategy: c.peak_bytes for c in planned.candidates}
+    peaks = {c.strategy: c.fit_bytes for c in planned.candidates}
     return (chunk.strategy.name, chunk.ddp_config.data_parallel_sharding_strategy, planned.chosen.strategy, peaks,
             args.data_parallel_sharding_strategy)
 
@@ -100,8 +101,12 @@ def test_plan_command_for_a_torch_model_by_import_path(capsys):
     out = capsys.readouterr().out
     assert [line.split()[0] for line in out.splitlines()[3:7]] == ["no_shard", "optim", "optim_grads",
                                                                   "optim_grads_params"]
-    # UnevenNet's few-row parameters: ZeRO-1's torch.chunk pieces pad > PADDING_TIE beyond DDP's buffer
-    assert out.rstrip().endswith("budget 1.00 GiB: chosen no_shard, runner-up optim")
+    # UnevenNet's few-row parameters: ZeRO-1's torch.chunk pieces pad > PADDING_TIE beyond DDP's buffer;
+    # ZeRO-2 moves as many bytes as ZeRO-1, and its foreach step peaks lower (its gradients sharded)
+    assert out.rstrip().endswith("budget 1.00 GiB: chosen no_shard, runner-up optim_grads")
+    main(["--model", "tests.unit.models:UnevenNet", "--unit-modules", "tests.unit.models:Block",
+          "--world-size", "2", "--device", "cpu", "--budget-gib", "1", "--optimizer-kernel", "fused"])
+    assert capsys.readouterr().out.rstrip().endswith("budget 1.00 GiB: chosen no_shard, runner-up optim")
     with pytest.raises(SystemExit, match="missing: --num-layers"):
         main(["--hidden-size", "8"])
 

@@ -11,7 +11,7 @@ from megatron_fsdp_v2.comm import COLLECTIVES, CommStats
 from tests.comm_counter import CollectiveCounter
 from .dist_utils import run_distributed
 from .models import Block, UnevenNet, make_batches
-from .scenarios import loss_fn
+from .scenarios import loss_fn, train
 
 K = 3
 
@@ -114,12 +114,7 @@ def reduce_outputs_worker(rank, world_size, strategy):
     try:
         torch.manual_seed(0)
         model = fully_shard(UnevenNet(depth=3), sharding_strategy=strategy, unit_modules=[Block])
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        for step in range(2):
-            for x, y in make_batches(step, rank, 1):
-                loss_fn(model(x), y).backward()
-            opt.step()
-            opt.zero_grad()
+        train(model, torch.optim.AdamW(model.parameters(), lr=1e-3), rank, steps=2, k=1)
     finally:
         collectives.reduce_scatter_single = original
     return seen, model.full_state_dict()

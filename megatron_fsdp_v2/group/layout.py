@@ -109,6 +109,7 @@ class FlatLayout:
     data_numel: int     # end of the last parameter
     total_numel: int    # dp_size * shard_numel
     piece_rows: tuple[int, ...] = ()   # per-parameter shards: rows of each parameter per rank ([Note])
+    chunk_cat_chunks: int = 0          # torch._chunk_cat's num_chunks writing a whole group in this order (0: not)
 
     @property
     def per_parameter(self) -> bool:
@@ -245,7 +246,15 @@ def build_layout(shapes: Sequence[Sequence[int]], dp_size: int, alignment: int =
         if end <= dp_size * shard:
             break
         shard += -(-(end - dp_size * shard) // dp_size)
-    return FlatLayout(shapes, numels, tuple(offsets), alignment, dp_size, end, dp_size * shard)
+    contiguous = all(o == sum(numels[:i]) for i, o in enumerate(offsets))
+    return FlatLayout(shapes, numels, tuple(offsets), alignment, dp_size, end, dp_size * shard,
+                      chunk_cat_chunks=1 if contiguous and _chunk_cat_shapes(shapes) else 0)
+
+
+def _chunk_cat_shapes(shapes) -> bool:
+    """Whether ``torch._chunk_cat`` takes tensors of these shapes: at least 1-d, not empty (it
+    refuses empty tensors and crashes on 0-d ones, torch 2.13)."""
+    return all(shape and math.prod(shape) > 0 for shape in shapes)
 
 
 def _per_parameter_layout(shapes, numels, dp_size: int, alignment: int) -> FlatLayout:
@@ -261,8 +270,11 @@ def _per_parameter_layout(shapes, numels, dp_size: int, alignment: int) -> FlatL
         start += per_rank * row
     shard = max(start, alignment)            # an all-gather of nothing still needs a shard
     data_end = max((o + n for o, n in zip(offsets, numels)), default=0)
+    # torch._chunk_cat's order: every parameter in ceil(rows / dp)-row pieces, back to back, nothing after
+    chunk_cat = (shard == start and _chunk_cat_shapes(shapes)
+                 and all(rows == -(-shape[0] // dp_size) for rows, shape in zip(piece_rows, shapes)))
     return FlatLayout(shapes, numels, tuple(offsets), alignment, dp_size, data_end, dp_size * shard,
-                      tuple(piece_rows))
+                      tuple(piece_rows), dp_size if chunk_cat else 0)
 
 
 def _pack_unsplit(numels, alignment: int) -> tuple[list[int], int]:

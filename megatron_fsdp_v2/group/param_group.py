@@ -412,8 +412,9 @@ class ParamGroup:
         if self.extension is not None:
             self.extension.free()
             return
+        released = torch.empty(0, dtype=self.dtypes.compute, device=self.device)   # one for all: no allocation each
         for param in self.params:
-            param.data = torch.empty(0, dtype=self.dtypes.compute, device=self.device)
+            param.data = released
         self.model_weights = None
         self.allocator.free(self._weights_key)
 

@@ -55,6 +55,8 @@ class UnreducedGrads:
         copy never needs more than ``flat`` plus what is still unwritten. Per-parameter shards
         (layout.py): each gradient goes to its pieces of the rank-major buffer the reduce-scatter
         reads, so it needs no reordering copy of its own."""
+        if self._write_in_one_copy(flat, layout):
+            return
         if layout.per_parameter:
             self._write_rank_major(flat, layout)
             return
@@ -74,6 +76,24 @@ class UnreducedGrads:
             if cursor < flat.numel():
                 flat[cursor:].zero_()
         self._held = 0
+
+    def _write_in_one_copy(self, flat: torch.Tensor, layout: FlatLayout) -> bool:
+        """Every gradient in one ``torch._chunk_cat`` (cast and zero-padded in the same kernel, as
+        FSDP2's reduce-scatter copy-in), where the layout is that kernel's order
+        (``chunk_cat_chunks``) and every parameter got a plain gradient; else False. One launch
+        per group instead of one or two per parameter: what a latency-bound step pays for. The
+        gradients all live until it is queued, as they do at the per-parameter loop's start."""
+        chunks = layout.chunk_cat_chunks
+        if (not chunks or self._held != len(self._grads) or flat.numel() != layout.total_numel
+                or any(type(g) is not torch.Tensor for g in self._grads)):
+            return False
+        grads, self._grads, self._held = self._grads, [None] * len(self._grads), 0
+        written = flat[:layout.data_numel] if chunks == 1 else flat
+        with torch.no_grad():
+            torch._chunk_cat(grads, 0, chunks, out=written.view(chunks, -1))
+            if written.numel() < flat.numel():
+                flat[written.numel():].zero_()
+        return True
 
     def _write_rank_major(self, flat: torch.Tensor, layout: FlatLayout) -> None:
         widths = sum(layout.piece_numel(i) for i in range(len(self._grads)))

@@ -80,12 +80,14 @@ class UnreducedGrads:
     def _write_in_one_copy(self, flat: torch.Tensor, layout: FlatLayout) -> bool:
         """Every gradient in one ``torch._chunk_cat`` (cast and zero-padded in the same kernel, as
         FSDP2's reduce-scatter copy-in), where the layout is that kernel's order
-        (``chunk_cat_chunks``) and every parameter got a plain gradient; else False. One launch
+        (``chunk_cat_chunks``) and every parameter got a plain gradient, all of one dtype; else False. One launch
         per group instead of one or two per parameter: what a latency-bound step pays for. The
         gradients all live until it is queued, as they do at the per-parameter loop's start."""
         chunks = layout.chunk_cat_chunks
-        if (not chunks or self._held != len(self._grads) or flat.numel() != layout.total_numel
-                or any(type(g) is not torch.Tensor for g in self._grads)):
+        if not chunks or self._held != len(self._grads) or flat.numel() != layout.total_numel:
+            return False
+        dtype = self._grads[0].dtype       # the kernel takes plain tensors of one dtype
+        if any(type(g) is not torch.Tensor or g.dtype != dtype for g in self._grads):
             return False
         grads, self._grads, self._held = self._grads, [None] * len(self._grads), 0
         written = flat[:layout.data_numel] if chunks == 1 else flat

@@ -47,13 +47,17 @@ def _write(layout, grads, one_copy: bool):
 
 @settings(max_examples=200, deadline=None)
 @given(shape_lists, st.integers(min_value=1, max_value=5), st.sampled_from([1, 4, 64]), st.booleans(),
-       st.booleans())
-def test_one_copy_writes_what_the_per_parameter_copies_write(shapes, dp, alignment, per_parameter, missing):
+       st.sampled_from(["all", "missing", "strided", "two dtypes"]))
+def test_one_copy_writes_what_the_per_parameter_copies_write(shapes, dp, alignment, per_parameter, grads_are):
     layout = build_layout(shapes, dp, alignment, per_parameter=per_parameter)
     generator = torch.Generator().manual_seed(len(shapes) * 31 + dp)
-    grads = [torch.randn(shape, generator=generator).to(torch.bfloat16) for shape in shapes]
-    if missing:
+    grads = [torch.randn(*shape, 2, generator=generator)[..., 0] if grads_are == "strided"      # not contiguous
+             else torch.randn(shape, generator=generator) for shape in shapes]
+    grads = [g.to(torch.bfloat16) for g in grads]
+    if grads_are == "missing":
         grads[0] = None
+    if grads_are == "two dtypes":
+        grads[0] = grads[0].float()
     fused, loop = _write(layout, grads, True), _write(layout, grads, False)
     assert not fused.isnan().any() and torch.equal(fused, loop)
 

@@ -51,8 +51,8 @@ class UnreducedGrads:
 
     def write_into(self, flat: torch.Tensor, layout: FlatLayout) -> None:
         """Fill ``flat`` (laid out by ``layout``, any dtype): each parameter's gradient in its range,
-        zeros where none arrived and in the padding; then let the gradients go, one by one, so the
-        copy never needs more than ``flat`` plus what is still unwritten. Per-parameter shards
+        zeros where none arrived and in the padding; then let the gradients go (one kernel for the
+        group where the layout allows, ``_write_in_one_copy``; else one by one). Per-parameter shards
         (layout.py): each gradient goes to its pieces of the rank-major buffer the reduce-scatter
         reads, so it needs no reordering copy of its own."""
         if self._write_in_one_copy(flat, layout):
@@ -80,9 +80,10 @@ class UnreducedGrads:
     def _write_in_one_copy(self, flat: torch.Tensor, layout: FlatLayout) -> bool:
         """Every gradient in one ``torch._chunk_cat`` (cast and zero-padded in the same kernel, as
         FSDP2's reduce-scatter copy-in), where the layout is that kernel's order
-        (``chunk_cat_chunks``) and every parameter got a plain gradient, all of one dtype; else False. One launch
-        per group instead of one or two per parameter: what a latency-bound step pays for. The
-        gradients all live until it is queued, as they do at the per-parameter loop's start."""
+        (``chunk_cat_chunks``) and every parameter got a plain gradient, all of one dtype; else
+        False. One launch per group instead of one or two per parameter: what a latency-bound
+        step pays for. The gradients all live until it is queued, as they do at the start of the
+        per-parameter copies, so the peak is the same."""
         chunks = layout.chunk_cat_chunks
         if not chunks or self._held != len(self._grads) or flat.numel() != layout.total_numel:
             return False

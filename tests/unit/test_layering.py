@@ -228,7 +228,9 @@ def _underscore_reads_off_others(path: pathlib.Path, names=None) -> list:
     return found
 
 
-TORCH_UNDERSCORE_NAMES = {"_version"}       # a tensor's version counter (group/main_weights.py)
+# a tensor's version counter (group/main_weights.py); the kernel FSDP2 copies gradients into its
+# reduce-scatter input with (group/unreduced_grads.py)
+TORCH_UNDERSCORE_NAMES = {"_version", "_chunk_cat"}
 
 
 def test_the_group_parts_use_only_the_groups_public_attributes():

@@ -246,7 +246,7 @@ def build_layout(shapes: Sequence[Sequence[int]], dp_size: int, alignment: int =
         if end <= dp_size * shard:
             break
         shard += -(-(end - dp_size * shard) // dp_size)
-    contiguous = all(o == sum(numels[:i]) for i, o in enumerate(offsets))
+    contiguous = end == sum(numels)          # the packing goes in order: no gap before the end
     return FlatLayout(shapes, numels, tuple(offsets), alignment, dp_size, end, dp_size * shard,
                       chunk_cat_chunks=1 if contiguous and _chunk_cat_shapes(shapes) else 0)
 

@@ -92,10 +92,9 @@ class GroupReduce(GroupPart):
         # them): reduce straight into a new grad shard instead of a temporary beside it.
         into_shard = (group.strategy.grads_sharded and group.grads.live() is None and pack is None
                       and group.dtypes.grad == full.dtype and group.offloaded is None)
-        # ZeRO-1 reducing its own buffer: in place, into this rank's region of full_grad (NCCL's
-        # in-place reduce-scatter: the output is the input's slice at rank * shard size)
-        in_place = (not group.strategy.grads_sharded and full is group.full_grad and group.stashed_mean is None
-                    and group.offloaded is None)
+        # ZeRO-1 reducing its own buffer (_grad_comm_input gave full_grad itself): in place, into this
+        # rank's region of it (NCCL's in-place reduce-scatter: the output is the input's slice at rank * shard)
+        in_place = full is group.full_grad and group.stashed_mean is None and group.offloaded is None
         if in_place:
             start, end = group.layout.shard_range(group.comm.rank)
             shard_out = full[start:end]

@@ -92,7 +92,7 @@ class StrategyPlan:
     @property
     def step_peak_bytes(self) -> int:
         """The optimizer step's peak: the kept bytes at the step plus the kernel's temporaries."""
-        return self.phases.get("step", self.persistent_bytes) + self.step_temporaries_bytes
+        return self.phases["step"] + self.step_temporaries_bytes
 
     @property
     def fit_bytes(self) -> int:
